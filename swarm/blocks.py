@@ -1,0 +1,170 @@
+"""A span of a model's decoder layers, loaded alone and run step by step against a session cache.
+
+Invariants:
+- Layers are the family's own transformers classes, built from the config by composition, with
+  their global layer index (so per-layer settings such as sliding windows stay right). Only the
+  span's tensors are read from disk.
+- A `SpanCache` is indexed by global layer index; layers before the span stay empty and cost nothing.
+  Every cached layer keeps the full history (no sliding eviction), so the cache can be rolled back to
+  any earlier position; sliding-window layers get their window from the mask instead.
+- The cache length always equals the session's position: a step at position p first rolls the cache
+  back to p, and a step past the cache end is refused.
+- The attention mask is built for every step with transformers' own mask functions, sized against
+  the first layer of the span of each attention kind.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from swarm.checkpoint import Checkpoint, parse_dtype
+from swarm.errors import BadRequest, CheckpointError
+from swarm.span import Span
+
+logger = logging.getLogger(__name__)
+
+MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+class SpanCache:
+    """One session's attention cache for one span: keys and values of every past token."""
+
+    def __init__(self, span: Span, batch_size: int, max_length: int):
+        self.span = span
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.kv = DynamicCache()  # layers are created on first use, at their global index
+
+    @property
+    def length(self) -> int:
+        return self.kv.get_seq_length(self.span.start)
+
+    def rollback(self, position: int) -> None:
+        """Forget every token at `position` and after."""
+        if not 0 <= position <= self.length:
+            raise BadRequest(f"cannot roll the cache of span {self.span} back to {position}: it holds {self.length}")
+        if position < self.length:
+            self.kv.crop(position - self.length)  # a negative count drops that many tokens from the end
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.kv.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+class SpanBlocks(torch.nn.Module):
+    """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
+
+    def __init__(self, checkpoint: Checkpoint | str, span: Span, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu"):
+        super().__init__()
+        ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        span.check_within(ckpt.num_blocks)
+        self.span, self.dtype, self.device = span, parse_dtype(dtype), torch.device(device)
+        self.model_type = ckpt.model_type
+        self.layer_types = ckpt.layout.layer_types[span.start:span.end]
+
+        started = time.monotonic()
+        skel = ckpt.skeleton(self.dtype)
+        self.config = skel.config  # carries the attention implementation the masks must match
+        prefix = ckpt.layout.base_prefix
+        names = [n for i in span for n in ckpt.tensor_names(f"{prefix}.layers.{i}.")]
+        ckpt.load_into(skel, names, self.dtype)
+        base = getattr(skel, prefix)
+        self.layers = torch.nn.ModuleList(base.layers[i] for i in span)
+        for i, layer in zip(span, self.layers):
+            left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.device.type == "meta"]
+            if left:
+                raise CheckpointError(f"{ckpt.path}: block {i} is missing tensors {left[:4]} (checkpoint incomplete?)")
+        self.layers.to(self.device)
+        # Rotary tables are computed, not stored: build the family's own module for real.
+        self.rotary = type(base.rotary_emb)(config=self.config).to(self.device)
+        self._rotary_takes_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.requires_grad_(False)
+        self.eval()
+        logger.info("loaded blocks %s of %s (%s, %.1fM parameters) in %.1f s", span, ckpt.model_type,
+                    str(self.dtype).removeprefix("torch."), self.num_parameters() / 1e6, time.monotonic() - started)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, batch_size: int, max_length: int) -> SpanCache:
+        return SpanCache(self.span, batch_size, max_length)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `hidden` [batch, new_tokens, hidden] through the span, starting at `position`.
+
+        With a cache, a position below its length rolls it back first. Without one, this is a
+        stateless forward of whole sequences (position must be 0). `attention_mask` [batch,
+        position + new_tokens] of 0/1 marks padding (left padding, as transformers generates).
+        """
+        self._check_step(hidden, cache, position, attention_mask)
+        if cache is not None:
+            cache.rollback(position)
+        kv = cache.kv if cache is not None else None
+        hidden = hidden.to(self.device, self.dtype)
+        batch, new_tokens, _ = hidden.shape
+        position_ids = self._position_ids(batch, new_tokens, position, attention_mask)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device, torch.bool)
+
+        masks, rotary = {}, {}
+        for kind in dict.fromkeys(self.layer_types):
+            first = self.span.start + self.layer_types.index(kind)
+            masks[kind] = MASK_FUNCTIONS[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                               cache=kv, position_ids=position_ids, layer_idx=first)
+            args = (hidden, position_ids, kind) if self._rotary_takes_kind else (hidden, position_ids)
+            rotary[kind] = self.rotary(*args)
+
+        for layer, kind in zip(self.layers, self.layer_types):
+            out = layer(hidden, attention_mask=masks[kind], position_embeddings=rotary[kind],
+                        position_ids=position_ids, cache=kv, use_cache=kv is not None)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def _position_ids(self, batch: int, new_tokens: int, position: int, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is None:
+            return torch.arange(position, position + new_tokens, device=self.device).unsqueeze(0).expand(batch, -1)
+        # As transformers' generate does for left-padded batches: count only real tokens.
+        ids = mask.long().cumsum(-1) - 1
+        ids = ids.masked_fill(mask == 0, 1)
+        return ids[:, position:position + new_tokens].to(self.device)
+
+    def _check_step(self, hidden: torch.Tensor, cache: SpanCache | None, position: int,
+                    mask: torch.Tensor | None) -> None:
+        if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
+            shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise BadRequest(f"blocks {self.span}: expected hidden states [batch, tokens, {self.hidden_size}], got {shape}")
+        if not hidden.is_floating_point():
+            raise BadRequest(f"blocks {self.span}: hidden states must be floating point, got {hidden.dtype}")
+        batch, new_tokens, _ = hidden.shape
+        if batch < 1 or new_tokens < 1:
+            raise BadRequest(f"blocks {self.span}: empty step (batch {batch}, tokens {new_tokens})")
+        if not isinstance(position, int) or position < 0:
+            raise BadRequest(f"blocks {self.span}: position must be a non-negative integer, got {position!r}")
+        if cache is None:
+            if position != 0:
+                raise BadRequest(f"blocks {self.span}: a forward without a cache must start at position 0")
+        else:
+            if batch != cache.batch_size:
+                raise BadRequest(f"blocks {self.span}: session batch size is {cache.batch_size}, step has {batch}")
+            if position > cache.length:
+                raise BadRequest(f"blocks {self.span}: step at position {position} skips past the cache end "
+                                 f"{cache.length}")
+            if position + new_tokens > cache.max_length:
+                raise BadRequest(f"blocks {self.span}: step to {position + new_tokens} exceeds the session's "
+                                 f"max length {cache.max_length}")
+        if mask is not None and tuple(mask.shape) != (batch, position + new_tokens):
+            raise BadRequest(f"blocks {self.span}: attention mask must be [{batch}, {position + new_tokens}], "
+                             f"got {tuple(mask.shape)}")

@@ -1,0 +1,160 @@
+"""A local transformers checkpoint, read one part at a time.
+
+Invariants:
+- Only the tensors asked for are read from disk (safetensors slices are lazy until loaded), so a peer
+  holds memory proportional to its span, never to the model.
+- Models are described by a skeleton built on the `meta` device: it costs no memory and gives us the
+  family's own module classes and the tensor names they expect. Weights are loaded into it with
+  transformers' own conversion rules (e.g. per-expert MoE tensors on disk are fused on load), so a
+  checkpoint loads here exactly as it would in `from_pretrained`.
+- Nothing in transformers is subclassed or patched; layers are used as the family defines them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import convert_and_load_state_dict_in_model
+from transformers.modeling_utils import LoadStateDictConfig
+
+from swarm.errors import CheckpointError, UnsupportedModel
+
+logger = logging.getLogger(__name__)
+
+# Families proven block-by-block against transformers (tests/models/test_blocks.py). Any other
+# decoder-only family with the same layout (`model.layers`, `model.norm`, `model.rotary_emb`,
+# `lm_head`) and only full or sliding-window attention is attempted, with a warning.
+VERIFIED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype) and name in DTYPES.values():
+        return name
+    if name not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Where a family keeps its parts, read off its skeleton."""
+
+    base_prefix: str  # attribute and tensor-name prefix of the base model, e.g. "model"
+    layer_types: tuple[str, ...]  # attention kind of every block, in ATTENTION_KINDS
+
+
+class Checkpoint:
+    """A checkpoint directory in the transformers format (config.json plus safetensors)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"{self.path} has no config.json: not a transformers checkpoint directory")
+        self.config: PretrainedConfig = AutoConfig.from_pretrained(self.path)
+        self.model_type: str = self.config.model_type
+        check_supported(self.config)
+        self._files = self._index_tensors()
+        self.layout = self._read_layout()
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def _index_tensors(self) -> dict[str, Path]:
+        """Map every tensor name to the safetensors file that holds it (single file or sharded)."""
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.path / file for name, file in weight_map.items()}
+        single = self.path / "model.safetensors"
+        if not single.is_file():
+            raise CheckpointError(
+                f"{self.path} has neither model.safetensors nor model.safetensors.index.json; "
+                "only safetensors checkpoints are supported (convert .bin files with save_pretrained)"
+            )
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+
+    def skeleton(self, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The family's CausalLM built on the meta device: classes and names, no memory."""
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa", dtype=dtype)
+
+    def _read_layout(self) -> ModelLayout:
+        skel = self.skeleton()
+        prefix = skel.base_model_prefix
+        base = getattr(skel, prefix, None)
+        missing = [n for n in ("layers", "norm", "embed_tokens", "rotary_emb") if not hasattr(base, n)]
+        if base is None or missing or not hasattr(skel, "lm_head"):
+            raise UnsupportedModel(
+                f"model type {self.model_type!r} does not have the decoder layout blocks need "
+                f"(missing {', '.join(missing) or 'lm_head'}); supported: {', '.join(VERIFIED_FAMILIES)}"
+            )
+        return ModelLayout(base_prefix=prefix, layer_types=layer_types(self.config))
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        return [n for n in self._files if n.startswith(prefix)]
+
+    def load_into(self, model: torch.nn.Module, names: list[str], dtype: torch.dtype) -> None:
+        """Read the named tensors (and only those) into `model`, applying the family's conversions."""
+        if not names:
+            raise CheckpointError(f"{self.path}: no tensors to load (is the checkpoint complete?)")
+        handles: dict[Path, object] = {}
+        state: dict[str, object] = {}
+        try:
+            for name in names:
+                file = self._files[name]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="pt", device="cpu").__enter__()
+                state[name] = handles[file].get_slice(name)  # lazy: read when loaded
+            convert_and_load_state_dict_in_model(
+                model,
+                state,
+                LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype),
+            )
+        finally:
+            for h in handles.values():
+                h.__exit__(None, None, None)
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse what cannot be split into decoder blocks, naming the model type and what works."""
+    kind = config.model_type
+    supported = f"supported decoder families: {', '.join(VERIFIED_FAMILIES)}"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"model type {kind!r} is an encoder-decoder model; only decoder-only models "
+                               f"can be served by a swarm ({supported})")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(f"model type {kind!r} is not a causal language model known to transformers "
+                               f"({supported})")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModel(f"model type {kind!r} with bidirectional attention is not supported ({supported})")
+    unknown = sorted(set(layer_types(config)) - set(ATTENTION_KINDS))
+    if unknown:
+        raise UnsupportedModel(f"model type {kind!r} uses layer kinds {unknown} that blocks cannot run yet; "
+                               f"only {ATTENTION_KINDS} ({supported})")
+    if kind not in VERIFIED_FAMILIES:
+        logger.warning("model type %r is not among the verified families (%s); trying it anyway",
+                       kind, ", ".join(VERIFIED_FAMILIES))
+
+
+def layer_types(config: PretrainedConfig) -> tuple[str, ...]:
+    """Attention kind of every block, as the family's own model forward decides it."""
+    n = int(config.num_hidden_layers)
+    declared = getattr(config, "layer_types", None)
+    if declared:
+        return tuple(declared[:n])
+    # Families without `layer_types` (mistral, mixtral, phi3, ...) slide every layer when a window is set.
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return (kind,) * n

@@ -1,0 +1,45 @@
+"""Tiny random checkpoints built from configs with fixed seeds, one per decoder family under test.
+
+Each has 6 blocks so that three spans of two can be chained; sliding windows are shorter than the
+test sequences so that windowed masks matter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=256, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.2, tie_word_embeddings=False,
+)
+
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": dict(sliding_window=6),
+    "qwen2": {},
+    "qwen3": {},
+    "gemma3_text": dict(
+        sliding_window=5, tie_word_embeddings=True, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    ),
+    "phi3": {},
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+}
+
+
+def build_tiny_checkpoint(family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Write a random-weight checkpoint of `family` into `directory` (deterministic for a seed)."""
+    kwargs = {**COMMON, **FAMILIES[family]}
+    if family == "phi3":
+        kwargs.pop("head_dim")  # phi3 derives it from hidden size and heads
+    config = AutoConfig.for_model(family, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **save_kwargs)
+    return directory
