@@ -13,7 +13,6 @@ import time
 import torch
 
 from client.local_chain import LocalChain
-from swarm.span import split_evenly
 
 
 def run_demo(args: argparse.Namespace) -> int:

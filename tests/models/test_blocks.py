@@ -12,6 +12,7 @@ import torch
 from tiny_models import FAMILIES
 from transformers import AutoModelForCausalLM
 
+from client.local_chain import LocalChain
 from swarm.blocks import SpanBlocks
 from swarm.errors import BadRequest
 from swarm.head import ModelHead
@@ -23,26 +24,9 @@ TOLERANCE = 1e-4
 PROMPT_LEN, CHUNK, DECODE_STEPS = 11, 4, 16
 
 
-class Chain:
-    """Head plus spans run in order, each span with its own session cache."""
-
-    def __init__(self, path, spans: list[Span], batch: int = 1, max_length: int = 64, dtype="float32"):
-        self.head = ModelHead(path, dtype=dtype)
-        self.blocks = [SpanBlocks(path, s, dtype=dtype) for s in spans]
-        self.caches = [b.new_cache(batch, max_length) for b in self.blocks]
-
-    def step(self, ids: torch.Tensor, position: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.head.embed(ids)
-        for block, cache in zip(self.blocks, self.caches):
-            hidden = block(hidden, cache, position, attention_mask=mask)
-        return self.head.logits(hidden)
-
-    def prefill(self, ids: torch.Tensor, chunk: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        outs = []
-        for start in range(0, ids.shape[1], chunk):
-            end = min(start + chunk, ids.shape[1])
-            outs.append(self.step(ids[:, start:end], start, None if mask is None else mask[:, :end]))
-        return torch.cat(outs, dim=1)
+def Chain(path, spans: list[Span], batch: int = 1, max_length: int = 64, dtype="float32"):
+    """Head and spans in one process, one cache per span: the shape of a swarm route."""
+    return LocalChain(path, spans, dtype=dtype).session(batch, max_length)
 
 
 def reference(path, dtype=torch.float32):
@@ -114,7 +98,7 @@ def test_half_precision_spans_track_transformers(dtype, tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     torch_dtype = getattr(torch, dtype)
     chain = Chain(path, split_evenly(6, 3), dtype=dtype)
-    assert all(p.dtype == torch_dtype for b in chain.blocks for p in b.parameters())
+    assert all(p.dtype == torch_dtype for b in chain.chain.blocks for p in b.parameters())
     ids = prompt(length=10)
     ours = chain.prefill(ids, 4).float()
     theirs = reference(path, torch_dtype)(ids).logits.float()
