@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,22 +109,19 @@ class Checkpoint:
         """Read the named tensors (and only those) into `model`, applying the family's conversions."""
         if not names:
             raise CheckpointError(f"{self.path}: no tensors to load (is the checkpoint complete?)")
-        handles: dict[Path, object] = {}
-        state: dict[str, object] = {}
-        try:
+        with ExitStack() as stack:
+            handles: dict[Path, object] = {}
+            state: dict[str, object] = {}
             for name in names:
                 file = self._files[name]
                 if file not in handles:
-                    handles[file] = safe_open(file, framework="pt", device="cpu").__enter__()
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
                 state[name] = handles[file].get_slice(name)  # lazy: read when loaded
             convert_and_load_state_dict_in_model(
                 model,
                 state,
                 LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype),
             )
-        finally:
-            for h in handles.values():
-                h.__exit__(None, None, None)
 
 
 def check_supported(config: PretrainedConfig) -> None:
