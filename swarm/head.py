@@ -10,6 +10,7 @@ import copy
 import logging
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
@@ -29,12 +30,12 @@ class ModelHead(torch.nn.Module):
         config.num_hidden_layers = 0
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = []
-        from transformers import AutoModelForCausalLM
-
-        # Built for real (not on meta): computed buffers such as embedding scales must exist.
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=self.dtype)
         prefix = ckpt.layout.base_prefix
         names = [n for n in ckpt.tensor_names("") if not n.startswith(f"{prefix}.layers.")]
+        if not any(n.startswith(f"{prefix}.embed_tokens.") for n in names):
+            raise CheckpointError(f"{ckpt.path}: the checkpoint has no token embeddings")
+        # Built for real (not on meta): computed buffers such as embedding scales must exist.
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=self.dtype)
         ckpt.load_into(model, names, self.dtype)
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
@@ -43,8 +44,6 @@ class ModelHead(torch.nn.Module):
         self.norm = base.norm
         self.lm_head = model.lm_head
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        if names and not any(n.startswith(f"{prefix}.embed_tokens.") for n in names):
-            raise CheckpointError(f"{ckpt.path}: the checkpoint has no token embeddings")
         self.to(self.device)
         self.requires_grad_(False)
         self.eval()

@@ -7,6 +7,7 @@ from transformers import AutoConfig
 
 from swarm.blocks import SpanBlocks
 from swarm.checkpoint import VERIFIED_FAMILIES, Checkpoint
+from swarm.head import ModelHead
 from swarm.errors import BadRequest, CheckpointError, UnsupportedModel
 from swarm.span import Span
 
@@ -50,3 +51,8 @@ def test_truncated_checkpoint_names_the_block(tiny_checkpoint, tmp_path):
     SpanBlocks(tmp_path / "ckpt", Span(0, 3))  # untouched blocks still load
     with pytest.raises(CheckpointError, match="block 3"):
         SpanBlocks(tmp_path / "ckpt", Span(2, 4))
+
+    tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no token embeddings"):
+        ModelHead(tmp_path / "ckpt")
