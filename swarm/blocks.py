@@ -97,18 +97,23 @@ class SpanBlocks(torch.nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch_size: int, max_length: int) -> SpanCache:
-        return SpanCache(self.span, batch_size, max_length)
+    def new_cache(self, batch_size: int, max_length: int, span: Span | None = None) -> SpanCache:
+        return SpanCache(span or self.span, batch_size, max_length)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, span: Span | None = None) -> torch.Tensor:
         """Run `hidden` [batch, new_tokens, hidden] through the span, starting at `position`.
 
-        With a cache, a position below its length rolls it back first. Without one, this is a
-        stateless forward of whole sequences (position must be 0). `attention_mask` [batch,
-        position + new_tokens] of 0/1 marks padding (left padding, as transformers generates).
+        With a cache, a position below its length rolls it back first, and the cache's span (which
+        may be a sub-span of these blocks) says which blocks run. Without one, this is a stateless
+        forward of whole sequences (position must be 0) through `span` (default: all blocks).
+        `attention_mask` [batch, position + new_tokens] of 0/1 marks padding (left padding, as
+        transformers generates).
         """
+        run = cache.span if cache is not None else (span or self.span)
+        if not (self.span.start <= run.start and run.end <= self.span.end):
+            raise BadRequest(f"blocks {run} are not within the served blocks {self.span}")
         self._check_step(hidden, cache, position, attention_mask)
         if cache is not None:
             cache.rollback(position)
@@ -118,16 +123,19 @@ class SpanBlocks(torch.nn.Module):
         position_ids = self._position_ids(batch, new_tokens, position, attention_mask)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device, torch.bool)
+        offset = run.start - self.span.start
+        layers = self.layers[offset:offset + len(run)]
+        kinds = self.layer_types[offset:offset + len(run)]
 
         masks, rotary = {}, {}
-        for kind in dict.fromkeys(self.layer_types):
-            first = self.span.start + self.layer_types.index(kind)
+        for kind in dict.fromkeys(kinds):
+            first = run.start + kinds.index(kind)
             masks[kind] = MASK_FUNCTIONS[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                                cache=kv, position_ids=position_ids, layer_idx=first)
             args = (hidden, position_ids, kind) if self._rotary_takes_kind else (hidden, position_ids)
             rotary[kind] = self.rotary(*args)
 
-        for layer, kind in zip(self.layers, self.layer_types):
+        for layer, kind in zip(layers, kinds):
             out = layer(hidden, attention_mask=masks[kind], position_embeddings=rotary[kind],
                         position_ids=position_ids, cache=kv, use_cache=kv is not None)
             hidden = out[0] if isinstance(out, tuple) else out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,26 @@ class Checkpoint:
                 f"(missing {', '.join(missing) or 'lm_head'}); supported: {', '.join(VERIFIED_FAMILIES)}"
             )
         return ModelLayout(base_prefix=prefix, layer_types=layer_types(self.config))
+
+    def block_bytes(self, block: int, dtype: torch.dtype) -> int:
+        """Bytes block `block`'s parameters take in `dtype`, from the file headers (nothing is loaded)."""
+        names = self.tensor_names(f"{self.layout.base_prefix}.layers.{block}.")
+        numel = 0
+        with ExitStack() as stack:
+            handles: dict[Path, object] = {}
+            for name in names:
+                file = self._files[name]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                numel += math.prod(handles[file].get_slice(name).get_shape())
+        return numel * dtype.itemsize
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Attention cache bytes one token takes in one block (keys and values)."""
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return 2 * kv_heads * head_dim * dtype.itemsize
 
     def tensor_names(self, prefix: str) -> list[str]:
         return [n for n in self._files if n.startswith(prefix)]

@@ -35,3 +35,49 @@ class OutOfCache(SwarmError):
     """A session asked for more attention cache than is free, or stepped past its max length."""
 
     code = "out_of_cache"
+
+
+class Busy(SwarmError):
+    """The peer is at its session limit or its queue is full: try another peer or later."""
+
+    code = "busy"
+
+
+class NotServing(SwarmError):
+    """The peer does not serve this model or these blocks (any more)."""
+
+    code = "not_serving"
+
+
+class UnknownSession(SwarmError):
+    """The session was never opened on this stream, or was closed or reclaimed while idle."""
+
+    code = "unknown_session"
+
+
+class StepTimeout(SwarmError):
+    """A step did not finish within the peer's step timeout."""
+
+    code = "timeout"
+
+
+class ConnectionLost(SwarmError):
+    """The stream to a peer closed or broke before a reply came: the peer is gone or dropped us."""
+
+    code = "connection_lost"
+
+
+class ProtocolError(SwarmError):
+    """A message is malformed or incomplete at the wire level (framing, header, part counts, sizes)."""
+
+    code = "protocol"
+
+
+ERROR_CLASSES = {cls.code: cls for cls in (SwarmError, BadRequest, UnsupportedModel, CheckpointError, OutOfCache,
+                                           Busy, NotServing, UnknownSession, StepTimeout, ConnectionLost,
+                                           ProtocolError)}
+
+
+def error_from_code(code: str, message: str) -> SwarmError:
+    """Rebuild a typed error received from a remote party; unknown codes become `SwarmError` (internal)."""
+    return ERROR_CLASSES.get(code, SwarmError)(message)

@@ -49,7 +49,11 @@ def test_the_checker_sees_lazy_and_dotted_imports(tmp_path):
     assert imported_top_levels(src) == {"client", "peer", "bootstrap"}
 
 
-@pytest.mark.parametrize("statement", ["import bootstrap", "from swarm.cli import build_parser; build_parser()"])
+@pytest.mark.parametrize("statement", [
+    "import bootstrap.node, bootstrap.commands",
+    "from swarm.cli import build_parser; build_parser()",
+    "import swarm.transport, swarm.records, swarm.wire, swarm.discovery; swarm.transport._hm()",
+])
 def test_no_torch_at_import(statement):
     code = f"{statement}\nimport sys\nprint('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,50 @@
+"""A peer's configuration: one frozen dataclass; the `swarm peer` options are derived from it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarm.config import option
+from swarm.span import Span
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1.5GB', '300MiB', '4096' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 800MB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    model: Path = option(help="checkpoint directory (transformers format, safetensors)", required=True)
+    initial_peers: tuple[str, ...] = option((), help="multiaddrs of the bootstrap node or any peer of the swarm")
+    blocks: Span | None = option(None, help="serve exactly these blocks, START:END; default: choose by memory "
+                                 "budget where the swarm is weakest", parse=Span.parse)
+    num_blocks: int | None = option(None, help="serve this many blocks, placed where the swarm is weakest")
+    memory_budget: int | None = option(None, help="memory for weights and cache, e.g. 2GB; decides how many blocks "
+                                       "(default: 80%% of available memory)", parse=parse_bytes)
+    model_id: str | None = option(None, help="the model's name in the swarm (default: the checkpoint directory name)")
+    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    port: int = option(0, help="TCP port to listen on (0: any free port)")
+    announce_host: str | None = option(None, help="public address to announce, if different from --host")
+    identity: Path | None = option(None, help="Ed25519 key file, created on first start (default: a new identity "
+                                   "each start)")
+    dtype: str = option("float32", help="dtype of weights and cache: float32, bfloat16 or float16")
+    max_sessions: int = option(64, help="concurrent inference sessions at most")
+    cache_tokens: int = option(16384, help="attention cache budget in tokens (each token held in every served block)")
+    max_length: int = option(4096, help="longest session (prompt + generated tokens)")
+    max_batch: int = option(8, help="largest batch per session or forward call")
+    max_request_bytes: int = option(128 * 2**20, help="largest tensor payload of one request, e.g. 64MiB",
+                                    parse=parse_bytes)
+    step_timeout: float = option(60.0, help="seconds a step may take before it fails with a timeout")
+    idle_timeout: float = option(300.0, help="seconds a session may stay silent before its cache is reclaimed")
+    max_queue: int = option(256, help="steps waiting for compute at most; beyond that requests get 'busy'")
+    announce_interval: float = option(20.0, help="seconds between re-announcements")
+    record_ttl: float = option(60.0, help="seconds an announcement stays valid without re-announcement")

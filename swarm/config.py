@@ -1,0 +1,57 @@
+"""Frozen configuration dataclasses become command-line options, one option per field.
+
+A field's metadata gives its help text (`help`), and optionally a parser for its text form (`parse`)
+and a `flag` name. Tuple fields take one or more values. Defaults come from the dataclass, so the
+CLI and the Python API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Callable
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[str], Any] | None = None,
+           required: bool = False, **kw: Any) -> Any:
+    """A dataclass field carrying its command-line help."""
+    meta = {"help": help, "parse": parse, "required": required}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple for sequence defaults")
+    return dataclasses.field(default=default, metadata=meta, **kw)
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        kw: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        if f.default is not dataclasses.MISSING and f.default is not None and f.default != ():
+            kw["help"] += f" (default: {f.default})"
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kw)
+            continue
+        if origin is tuple:
+            kw["nargs"] = "+" if meta["required"] else "*"
+            kw["type"] = meta["parse"] or args[0]
+        else:
+            base = [a for a in args if a is not type(None)][0] if origin in (typing.Union, types.UnionType) else hint
+            kw["type"] = meta["parse"] or base
+        kw["metavar"] = f.name.upper().split("_")[-1] if not meta["required"] else f.name.upper()
+        parser.add_argument(flag, required=meta["required"], default=None if meta["required"] else f.default, **kw)
+
+
+def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    for f in dataclasses.fields(cls):
+        if isinstance(values.get(f.name), list):
+            values[f.name] = tuple(values[f.name])
+    return cls(**values)

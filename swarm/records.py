@@ -1,0 +1,208 @@
+"""Announcement records: what a peer says about the blocks it serves, signed, and how every DHT node
+checks them.
+
+A record lives in the DHT under key `block_key(model, block)` and subkey = the announcing peer's id.
+Its value is an envelope: one version byte, a 64-byte Ed25519 signature, then the payload as compact
+JSON. The signature covers a domain tag, the DHT key id, the subkey, the expiration time and the
+payload, so a signed value cannot be moved to another block, another subkey, or a later expiration.
+
+Invariants (checked by `verify` on store and on read, by every node of our swarm):
+- the subkey is a peer id, equal to the payload's `peer`, and the signature verifies against it;
+- the payload follows the schema (unknown fields are tolerated, so newer peers can add optional
+  ones); the key is one of the blocks of the announced span;
+- the expiration is not beyond `now + MAX_TTL` and not already past;
+- the whole value fits in `MAX_VALUE_BYTES`;
+- per (key, subkey), sequence numbers only grow (`SequenceGuard`): an older record, or a different
+  record with the same number, is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from swarm.identity import Identity, PeerId, verify as verify_signature
+from swarm.span import Span
+
+ENVELOPE_VERSION = 1
+SIGNATURE_BYTES = 64
+MAX_VALUE_BYTES = 2048  # a record is ~300 bytes; the cap bounds what a forger can make every node store
+MAX_TTL = 300.0  # seconds: a vanished peer disappears from the swarm within this time at most
+CLOCK_SKEW = 30.0  # seconds of clock difference tolerated between honest nodes
+STATES = ("joining", "online", "offline")
+MAX_BLOCKS = 4096  # no model we can serve has more decoder layers
+_DOMAIN = b"swarm-announcement-v1\0"
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class RecordRejected(ValueError):
+    """A record failed validation; the message says which rule."""
+
+
+def block_key(model: str, block: int) -> str:
+    return f"{model}.block{block}"
+
+
+def check_model_id(model: str) -> str:
+    if not isinstance(model, str) or not _MODEL_ID.fullmatch(model):
+        raise ValueError(f"model id {model!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+    return model
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What one peer says about itself, for each block of its span."""
+
+    peer: PeerId
+    model: str
+    start: int
+    end: int
+    state: str
+    throughput: float  # tokens per second the span processes in a batch-1 decode step (self-reported)
+    prefill_tps: float  # tokens per second of a prefill through the span (self-reported)
+    cache_tokens_left: int
+    version: str
+    seq: int
+    issued_at: float
+    extra: dict = field(default_factory=dict, compare=False)  # optional fields of newer versions, kept as-is
+
+    @property
+    def span(self) -> Span:
+        return Span(self.start, self.end)
+
+    def to_payload(self) -> bytes:
+        data = {k: v for k, v in asdict(self).items() if k != "extra"}
+        return json.dumps({**self.extra, **data}, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> Announcement:
+        try:
+            data = json.loads(payload)
+        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, oversize numbers, absurd nesting
+            raise RecordRejected(f"payload is not JSON ({type(e).__name__})") from None
+        if not isinstance(data, dict):
+            raise RecordRejected("payload is not an object")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        missing = known - data.keys()
+        if missing:
+            raise RecordRejected(f"payload lacks {sorted(missing)}")
+        ann = cls(**{k: data[k] for k in known}, extra={k: v for k, v in data.items() if k not in known})
+        ann.check_schema()
+        return ann
+
+    def check_schema(self) -> None:
+        def is_int(v, lo, hi):
+            return type(v) is int and lo <= v <= hi
+
+        def is_num(v):
+            if type(v) is int:
+                return 0 <= v < 2**53
+            return type(v) is float and math.isfinite(v) and v >= 0
+
+        if not isinstance(self.peer, str) or not isinstance(self.version, str) or len(self.version) > 32:
+            raise RecordRejected("peer and version must be strings (version at most 32 characters)")
+        try:
+            check_model_id(self.model)
+        except ValueError as e:
+            raise RecordRejected(str(e)) from None
+        if not (is_int(self.start, 0, MAX_BLOCKS - 1) and is_int(self.end, 1, MAX_BLOCKS) and self.start < self.end):
+            raise RecordRejected(f"span [{self.start!r}, {self.end!r}) is not a valid block span")
+        if self.state not in STATES:
+            raise RecordRejected(f"state {self.state!r} is not one of {STATES}")
+        if not (is_num(self.throughput) and is_num(self.prefill_tps) and is_num(self.issued_at)):
+            raise RecordRejected("throughput figures and issue time must be finite non-negative numbers")
+        if not is_int(self.cache_tokens_left, 0, 2**40) or not is_int(self.seq, 0, 2**63 - 1):
+            raise RecordRejected("cache tokens left and sequence number must be non-negative integers in range")
+
+
+def signed_message(key_id: bytes, subkey: str, expiration: float, payload: bytes) -> bytes:
+    sub = subkey.encode()
+    return b"".join([_DOMAIN, struct.pack(">H", len(key_id)), key_id, struct.pack(">H", len(sub)), sub,
+                     struct.pack(">d", expiration), payload])
+
+
+def seal(identity: Identity, ann: Announcement, key_id: bytes, expiration: float) -> bytes:
+    """The envelope to store under (key_id, ann.peer) until `expiration`."""
+    if ann.peer != identity.peer_id:
+        raise ValueError("an announcement can only be sealed by its own peer")
+    payload = ann.to_payload()
+    sig = identity.sign(signed_message(key_id, ann.peer, expiration, payload))
+    value = bytes([ENVELOPE_VERSION]) + sig + payload
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueError(f"announcement of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
+    return value
+
+
+def open_envelope(value: bytes) -> tuple[bytes, bytes]:
+    if not isinstance(value, bytes) or len(value) > MAX_VALUE_BYTES:
+        raise RecordRejected(f"value must be at most {MAX_VALUE_BYTES} bytes")
+    if len(value) < 1 + SIGNATURE_BYTES + 2 or value[0] != ENVELOPE_VERSION:
+        raise RecordRejected("value is not a version-1 signed envelope")
+    return value[1:1 + SIGNATURE_BYTES], value[1 + SIGNATURE_BYTES:]
+
+
+def verify(key_id: bytes, subkey: object, value: bytes, expiration: float, now: float,
+           key_id_of: Callable[[str], bytes]) -> Announcement:
+    """Check one stored record; return its announcement or raise `RecordRejected` naming the rule.
+
+    `key_id_of` maps a DHT key string to the id the DHT stores it under (the transport's hashing).
+    """
+    if not isinstance(subkey, str) or len(subkey) > 128:
+        raise RecordRejected("subkey must be the signer's peer id")
+    if not isinstance(expiration, float) or not math.isfinite(expiration):
+        raise RecordRejected("expiration must be a finite float")
+    if expiration > now + MAX_TTL:
+        raise RecordRejected(f"expiration is {expiration - now:.0f} s ahead, beyond the {MAX_TTL:.0f} s maximum")
+    if expiration < now - CLOCK_SKEW:
+        raise RecordRejected("record already expired")
+    signature, payload = open_envelope(value)
+    if not verify_signature(subkey, signature, signed_message(key_id, subkey, expiration, payload)):
+        raise RecordRejected("signature does not verify against the subkey's peer id")
+    ann = Announcement.from_payload(payload)
+    if ann.peer != subkey:
+        raise RecordRejected("payload's peer is not the subkey")
+    if ann.issued_at > now + CLOCK_SKEW or expiration - ann.issued_at > MAX_TTL + CLOCK_SKEW:
+        raise RecordRejected("issue time is in the future or too long before the expiration")
+    if key_id not in {key_id_of(block_key(ann.model, b)) for b in range(ann.start, ann.end)}:
+        raise RecordRejected("key is not one of the announced span's blocks")
+    return ann
+
+
+class SequenceGuard:
+    """Remembers the newest sequence number seen per (key, subkey) so that replays are refused.
+
+    Bounded: entries whose record has expired are dropped, and past `max_entries` the entries expiring
+    soonest go first.
+    """
+
+    def __init__(self, max_entries: int = 100_000):
+        self.max_entries = max_entries
+        self._seen: dict[tuple[bytes, str], tuple[int, bytes, float]] = {}
+
+    def admit(self, key_id: bytes, subkey: str, seq: int, value: bytes, expiration: float, now: float) -> None:
+        entry = (key_id, subkey)
+        digest = hashlib.sha256(value + struct.pack(">d", expiration)).digest()
+        known = self._seen.get(entry)
+        if known is not None and known[2] >= now - CLOCK_SKEW:
+            if seq < known[0]:
+                raise RecordRejected(f"sequence number {seq} is older than the stored {known[0]}")
+            if seq == known[0] and digest != known[1]:
+                raise RecordRejected(f"a different record with sequence number {seq} is already stored")
+        if known is None or seq >= known[0] or known[2] < now - CLOCK_SKEW:
+            self._seen[entry] = (seq, digest, expiration)
+        if len(self._seen) > self.max_entries:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        live = {k: v for k, v in self._seen.items() if v[2] >= now - CLOCK_SKEW}
+        if len(live) > self.max_entries:
+            live = dict(sorted(live.items(), key=lambda kv: kv[1][2])[len(live) - self.max_entries:])
+        self._seen = live
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -1,0 +1,251 @@
+"""The one module that talks to hivemind: a DHT node and libp2p streams behind a small interface.
+
+`Node` (an async context manager) owns a libp2p daemon (p2pd, a child process) and an in-process
+Kademlia node on this process's event loop. Everything else in the project uses only its methods:
+put/get announcement records, serve a protocol, open a stream to a peer.
+
+Invariants:
+- The daemon's identity is our Ed25519 key (`swarm.identity`), so the peer id libp2p authenticates
+  on every stream is the id that signs our records.
+- Every record stored or read by this node passes `records.verify` and a per-node `SequenceGuard`;
+  a record failing either is dropped as if it did not exist.
+- The daemon never outlives this process: clean exit shuts it down; any other death of this
+  process is caught by a reaper process holding a pipe from us (`swarm.reaper`).
+- hivemind's package `__init__` imports torch; DHT-only processes (the bootstrap) must not. We load
+  hivemind's torch-free submodules directly (see `_load_hivemind`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarm import records, reaper
+from swarm.identity import Identity, PeerId
+
+logger = logging.getLogger(__name__)
+
+MAX_STORED_VALUE = records.MAX_VALUE_BYTES + 16  # msgpack framing of the envelope
+
+
+def _load_hivemind() -> types.SimpleNamespace:
+    """hivemind's DHT and P2P classes, without executing hivemind's package __init__ (torch).
+
+    If hivemind was already imported normally, its modules are used as they are.
+    """
+    if "hivemind" not in sys.modules:
+        root = importlib.util.find_spec("hivemind").submodule_search_locations[0]
+        for name, sub in (("hivemind", ""), ("hivemind.utils", "/utils"), ("hivemind.dht", "/dht")):
+            mod = types.ModuleType(name)
+            mod.__path__, mod.__package__ = [root + sub], name
+            sys.modules[name] = mod
+        from hivemind.utils import logging as hm_logging, serializer, timed_storage
+
+        utils = sys.modules["hivemind.utils"]
+        utils.get_logger, utils.get_dht_time = hm_logging.get_logger, timed_storage.get_dht_time
+        utils.MSGPackSerializer, utils.SerializerBase = serializer.MSGPackSerializer, serializer.SerializerBase
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import RecordValidatorBase
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, RecordValidatorBase=RecordValidatorBase, P2P=P2P,
+                                 PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
+
+
+@functools.cache
+def _hm() -> types.SimpleNamespace:
+    return _load_hivemind()
+
+
+@functools.lru_cache(maxsize=65536)
+def key_id(key: str) -> bytes:
+    """The id under which the DHT stores `key` (what records are signed over)."""
+    return _hm().DHTID.generate(source=key).to_bytes()
+
+
+def _make_validator(counters: dict[str, int]):
+    hm = _hm()
+
+    class AnnouncementValidator(hm.RecordValidatorBase):
+        """Applies `records.verify` and the sequence guard to every record stored or read."""
+
+        def __init__(self):
+            self.guard = records.SequenceGuard()
+
+        def validate(self, record) -> bool:
+            now = time.time()
+            try:
+                if len(record.value) > MAX_STORED_VALUE or len(record.subkey) > 128:
+                    raise records.RecordRejected("oversize value or subkey")
+                subkey = hm.MSGPackSerializer.loads(record.subkey)
+                value = hm.MSGPackSerializer.loads(record.value)
+                ann = records.verify(record.key, subkey, value, record.expiration_time, now, key_id)
+                self.guard.admit(record.key, subkey, ann.seq, value, record.expiration_time, now)
+            except Exception as e:  # boundary: anything wrong with an outside record means "reject it"
+                counters["rejected"] += 1
+                logger.debug("rejected a record: %s", e)
+                return False
+            counters["accepted"] += 1
+            return True
+
+    return AnnouncementValidator()
+
+
+@dataclass
+class Stream:
+    """One bidirectional byte stream to a remote peer, authenticated as `remote`."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    remote: PeerId
+
+    async def aclose(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):  # the other side may already be gone; closing is best effort
+            await self.writer.wait_closed()
+
+
+Handler = Callable[[Stream], Awaitable[None]]
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+class Node:
+    """A DHT node with a libp2p daemon. `async with Node(...) as node:`; see the module docstring."""
+
+    def __init__(self, identity: Identity, *, identity_path: str | Path | None = None, host: str = "127.0.0.1",
+                 port: int = 0, announce_host: str | None = None, initial_peers: Sequence[str] = (),
+                 client_mode: bool = False, dht_wait_timeout: float = 3.0):
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self._identity_path = Path(identity_path) if identity_path else None
+        self.host, self.port, self.announce_host = host, port, announce_host
+        self.initial_peers = list(initial_peers)
+        self.client_mode = client_mode
+        self.dht_wait_timeout = dht_wait_timeout
+        self.counters = {"accepted": 0, "rejected": 0}
+        self._p2p = self._dht = self._reaper = None
+
+    async def __aenter__(self) -> Node:
+        hm = _hm()
+        with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
+            key_path = self._identity_path
+            if key_path is None:  # ephemeral identity: the daemon reads the file at start only
+                key_path = Path(tmp) / "identity.key"
+                self.identity.save(key_path)
+            loopback = _is_loopback(self.host)
+            announce = [f"/ip4/{self.announce_host}/tcp/{self.port}"] if self.announce_host and self.port else None
+            self._p2p = await hm.P2P.create(
+                initial_peers=self.initial_peers or None, host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
+                announce_maddrs=announce, identity_path=str(key_path), check_if_identity_free=False,
+                auto_nat=not loopback, nat_port_map=not loopback, dht_mode="client" if self.client_mode else "server")
+        try:
+            self._reaper = subprocess.Popen([sys.executable, "-S", reaper.__file__, str(self._p2p._child.pid)],
+                                            stdin=subprocess.PIPE)
+            if str(self._p2p.peer_id) != self.peer_id:
+                raise RuntimeError(f"transport daemon runs as {self._p2p.peer_id}, expected {self.peer_id}")
+            self._dht = await hm.DHTNode.create(
+                p2p=self._p2p, initial_peers=self.initial_peers or None, client_mode=self.client_mode,
+                record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
+                cache_locally=False, cache_nearest=0)
+        except BaseException:
+            await self._stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stop()
+
+    async def _stop(self) -> None:
+        if self._dht is not None:
+            with contextlib.suppress(Exception):  # shutting down: a failing RPC teardown must not stop the rest
+                await asyncio.wait_for(self._dht.shutdown(), 5)
+            self._dht = None
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._p2p.shutdown(), 10)
+            self._p2p = None
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # end of file: the reaper finds the daemon gone and exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.get_running_loop().run_in_executor(None, self._reaper.wait, 10)
+            self._reaper = None
+
+    @property
+    def daemon_pid(self) -> int | None:
+        return self._p2p._child.pid if self._p2p is not None else None
+
+    async def maddrs(self) -> list[str]:
+        """Full multiaddrs others can use as initial peers: /ip4/.../tcp/.../p2p/<peer id>."""
+        out = []
+        for addr in map(str, await self._p2p.get_visible_maddrs()):
+            out.append(addr if "/p2p/" in addr else f"{addr}/p2p/{self.peer_id}")
+        return out
+
+    def routing_table_size(self) -> int:
+        return len(self._dht.protocol.routing_table.peer_id_to_uid)
+
+    async def connected_peers(self) -> int:
+        return len(await self._p2p.list_peers())
+
+    # ---- records ----
+
+    async def put_records(self, items: Sequence[tuple[str, str, bytes, float]]) -> dict[tuple[str, str], bool]:
+        """Store (key, subkey, value, expiration) items; returns whether each was stored anywhere."""
+        if not items:
+            return {}
+        keys, subkeys, values, expirations = zip(*items)
+        ok = await self._dht.store_many(list(keys), list(values), list(expirations), subkeys=list(subkeys))
+        return {k: bool(v) for k, v in ok.items()}
+
+    async def get_records(self, keys: Sequence[str]) -> dict[str, dict[str, tuple[bytes, float]]]:
+        """For each key: {subkey: (value, expiration)} of the valid, unexpired records found (latest)."""
+        found = await self._dht.get_many(list(keys), sufficient_expiration_time=float("inf"))
+        out: dict[str, dict[str, tuple[bytes, float]]] = {}
+        for key in keys:
+            entry = found.get(key)
+            value = entry.value if entry is not None else None
+            out[key] = {sub: (item.value, item.expiration_time) for sub, item in value.items()
+                        if isinstance(sub, str) and isinstance(item.value, bytes)} if isinstance(value, dict) else {}
+        return out
+
+    # ---- streams ----
+
+    async def serve(self, protocol: str, handler: Handler) -> None:
+        async def on_stream(info, reader, writer):
+            stream = Stream(reader, writer, PeerId(str(info.peer_id)))
+            try:
+                await handler(stream)
+            except Exception:  # boundary: one broken stream must never take the node down
+                logger.exception("handler for %s from %s failed", protocol, str(info.peer_id)[-8:])
+            finally:
+                await stream.aclose()
+
+        await self._p2p.add_binary_stream_handler(protocol, on_stream)
+
+    async def open(self, peer: PeerId, protocol: str) -> Stream:
+        _, reader, writer = await self._p2p.call_binary_stream_handler(_hm().PeerID.from_base58(peer), protocol)
+        return Stream(reader, writer, peer)
+
+
+def describe_peer(peer: str) -> str:
+    """Short form of a peer id for logs: the last 8 characters."""
+    return f"…{peer[-8:]}"
+
+
+__all__ = ["Node", "Stream", "key_id", "describe_peer"]

@@ -1,0 +1,56 @@
+"""Integration fixtures: one real swarm (bootstrap + three peers on a tiny llama checkpoint) per test
+session, and a client node on a background event loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.loop import LoopThread
+from swarm.checkpoint import Checkpoint
+from swarm.identity import Identity
+from swarm.transport import Node
+from swarm_harness import CACHE_TOKENS, PEER_OPTIONS, LocalSwarm
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+def two_block_budget(checkpoint) -> int:
+    """A memory budget that holds two blocks with their cache, not three."""
+    ckpt = Checkpoint(checkpoint)
+    per_block = ckpt.block_bytes(0, torch.float32) + CACHE_TOKENS * ckpt.cache_bytes_per_token(torch.float32)
+    return 2 * per_block + per_block // 2
+
+
+@pytest.fixture(scope="session")
+def swarm(tmp_path_factory, tiny_llama):
+    """Bootstrap, then three peers started one after another with no --blocks."""
+    net = LocalSwarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        net.start_bootstrap()
+        budget = str(two_block_budget(tiny_llama))
+        for i in range(3):
+            net.start_peer(f"peer{i}", tiny_llama, "--memory-budget", budget, *PEER_OPTIONS)
+        yield net
+    finally:
+        net.stop_all()
+
+
+@pytest.fixture(scope="session")
+def loop():
+    with LoopThread() as lt:
+        yield lt
+
+
+@pytest.fixture(scope="session")
+def client(swarm, loop):
+    """A client-mode DHT node joined to the swarm, with its own identity."""
+    node = Node(Identity.generate(), initial_peers=swarm.bootstrap_addrs, client_mode=True)
+    loop.run(node.__aenter__())
+    try:
+        yield node
+    finally:
+        loop.run(node.__aexit__(None, None, None))

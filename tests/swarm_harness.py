@@ -1,0 +1,137 @@
+"""A real swarm on 127.0.0.1 for tests: a bootstrap process and peer processes started by the test.
+
+Every process is started by us and stopped by PID; every wait is a predicate with a deadline.
+Peer identities are created here, so each peer's id is known before it starts. Logs go to files in
+the swarm's directory and are shown when a wait fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.identity import load_or_create
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The shared integration swarm: three peers of this model on a tiny llama checkpoint.
+MODEL_ID = "tiny-llama"
+CACHE_TOKENS = 1024
+IDLE_TIMEOUT = 4
+MAX_SESSIONS = 32
+PEER_OPTIONS = ("--model-id", MODEL_ID, "--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2",
+                "--record-ttl", "8", "--idle-timeout", str(IDLE_TIMEOUT), "--max-sessions", str(MAX_SESSIONS))
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1, diagnostics=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}\n{diagnostics()}")
+        time.sleep(interval)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    peer_id: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def children(self) -> list[int]:
+        """PIDs of this process's direct children (the transport daemon, the reaper)."""
+        try:
+            tasks = Path(f"/proc/{self.popen.pid}/task")
+            return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+        except OSError:
+            return []
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class LocalSwarm:
+    def __init__(self, root: Path):
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+        self.bootstrap_addrs: list[str] = []
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log = self.root / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_HOME": str(self.root / "home")}
+        with open(log, "wb") as out:
+            popen = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                     cwd=REPO, env=env)
+        proc = Proc(name, popen, log)
+        self.procs[name] = proc
+        return proc
+
+    def start_bootstrap(self, name: str = "bootstrap", *extra: str, timeout: float = 60) -> Proc:
+        identity = self.root / f"{name}.key"
+        proc = self._spawn(name, ["bootstrap", "--identity", str(identity), *extra])
+        proc.peer_id = load_or_create(identity).peer_id if identity.exists() else ""
+
+        def addrs():
+            lines = [ln for ln in proc.text().splitlines() if ln.startswith("/ip4/")]
+            if not proc.alive():
+                raise RuntimeError(f"{name} exited:\n{proc.text()[-3000:]}")
+            return lines
+
+        proc.extra["maddrs"] = wait_until(addrs, timeout, f"{name} to print its address", diagnostics=proc.text)
+        proc.peer_id = load_or_create(identity).peer_id
+        if name == "bootstrap":
+            self.bootstrap_addrs = proc.extra["maddrs"]
+        return proc
+
+    def start_peer(self, name: str, model: Path, *extra: str, wait: bool = True, timeout: float = 120) -> Proc:
+        identity = self.root / f"{name}.key"
+        peer_id = load_or_create(identity).peer_id
+        proc = self._spawn(name, ["peer", "--model", str(model), "--initial-peers", *self.bootstrap_addrs,
+                                  "--identity", str(identity), *extra])
+        proc.peer_id = peer_id
+        if wait:
+            self.wait_serving(proc, timeout)
+        return proc
+
+    def wait_serving(self, proc: Proc, timeout: float = 120) -> None:
+        def ready():
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.text()[-3000:]}")
+            return "serving blocks" in proc.text()
+
+        wait_until(ready, timeout, f"{proc.name} to serve", diagnostics=lambda: proc.text()[-3000:])
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        proc = self.procs[name]
+        if proc.alive():
+            proc.popen.send_signal(sig)
+        try:
+            return proc.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            return proc.popen.wait(10)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
