@@ -176,10 +176,8 @@ class Servicer:
         step = _int(msg.fields, "step", 0, 2**62)
         position = _int(msg.fields, "position", 0, session.max_length - 1)
         hidden, mask = self._hidden(msg, session.dtype, session.batch)
-        session.last_active = time.monotonic()
         out, compute_ms, length = await self.runtime.run(self._compute_step, session, hidden, mask, position,
                                                          timeout=self.config.step_timeout)
-        session.last_active = time.monotonic()
         session.steps += 1
         return wire.Message(wire.OUTPUT, {"step": step, "position": position, "length": length,
                                           "compute_ms": round(compute_ms, 3)}, (wire.blob_of(out),))

@@ -6,6 +6,7 @@ Invariants:
   at once with `OutOfCache` (no queueing), so a flood of greedy sessions costs the peer almost nothing.
 - At most `max_sessions` are open; one more is `Busy`.
 - The table is touched only on the event loop; a session's cache only by the compute thread.
+- Idle sessions are reclaimed by their stream handler (a read timeout), which closes them here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ class Session:
     reserved: int
     opened_at: float
     cache: object = None  # the SpanCache, created by the owner of the blocks
-    last_active: float = 0.0
     steps: int = 0
     closed: bool = False
 
@@ -57,7 +57,7 @@ class SessionTable:
         if len(self.sessions) >= self.max_sessions:
             raise Busy(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}; try another peer")
         sid = f"s{next(self._counter)}-{secrets.token_hex(4)}"
-        session = Session(sid, span, batch, max_length, dtype, need, now, last_active=now)
+        session = Session(sid, span, batch, max_length, dtype, need, now)
         self.sessions[sid] = session
         return session
 
@@ -72,6 +72,3 @@ class SessionTable:
         if session is not None:
             session.closed = True
             session.cache = None  # the memory goes with the last reference
-
-    def idle(self, now: float, idle_timeout: float) -> list[str]:
-        return [sid for sid, s in self.sessions.items() if now - s.last_active > idle_timeout]

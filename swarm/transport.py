@@ -231,8 +231,10 @@ class Node:
             stream = Stream(reader, writer, PeerId(str(info.peer_id)))
             try:
                 await handler(stream)
+            except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+                logger.debug("stream %s from %s ended: %r", protocol, describe_peer(stream.remote), e)
             except Exception:  # boundary: one broken stream must never take the node down
-                logger.exception("handler for %s from %s failed", protocol, str(info.peer_id)[-8:])
+                logger.exception("handler for %s from %s failed", protocol, describe_peer(stream.remote))
             finally:
                 await stream.aclose()
 

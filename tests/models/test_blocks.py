@@ -175,3 +175,21 @@ def test_bad_steps_raise_typed_errors(tiny_checkpoint):
     assert cache.length == 3
     with pytest.raises(BadRequest):
         blocks(good, None, 2)  # stateless forwards start at 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_sub_span_of_served_blocks_runs_like_its_own_span(family, tiny_checkpoint):
+    """A peer serving [0:6) runs a session on [2:5) exactly as a peer serving only [2:5) would."""
+    path = tiny_checkpoint(family)
+    served, sub = SpanBlocks(path, Span(0, 6)), Span(2, 5)
+    alone = SpanBlocks(path, sub)
+    torch.manual_seed(0)
+    x = torch.randn(1, 7, 64)
+    big, small = served.new_cache(1, 16, sub), alone.new_cache(1, 16)
+    torch.testing.assert_close(served(x, big), alone(x, small), atol=1e-5, rtol=1e-5)
+    y = torch.randn(1, 1, 64)
+    torch.testing.assert_close(served(y, big, 7), alone(y, small, 7), atol=1e-5, rtol=1e-5)
+    assert big.length == small.length == 8
+    torch.testing.assert_close(served(x, span=sub), alone(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(BadRequest, match="not within"):
+        alone(x, span=Span(0, 3))

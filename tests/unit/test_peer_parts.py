@@ -73,16 +73,6 @@ def test_unknown_and_closed_sessions():
         table.get(session.id)
 
 
-def test_idle_sessions():
-    table = SessionTable(cache_tokens=1000, max_sessions=8)
-    old = table.open(SPAN, 1, 10, "float32", now=100.0)
-    recent = table.open(SPAN, 1, 10, "float32", now=100.0)
-    recent.last_active = 150.0
-    assert table.idle(now=160.0, idle_timeout=60.0) == []  # exactly the timeout is not idle yet
-    assert table.idle(now=160.5, idle_timeout=60.0) == [old.id]
-    assert sorted(table.idle(now=1000.0, idle_timeout=60.0)) == sorted([old.id, recent.id])
-
-
 # ---- runtime ----
 
 def test_runtime_runs_jobs_on_its_own_thread():
