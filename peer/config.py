@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import option
+from swarm.errors import ConfigError
 from swarm.span import Span
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -48,3 +49,21 @@ class PeerConfig:
     max_queue: int = option(256, help="steps waiting for compute at most; beyond that requests get 'busy'")
     announce_interval: float = option(20.0, help="seconds between re-announcements")
     record_ttl: float = option(60.0, help="seconds an announcement stays valid without re-announcement")
+
+    def __post_init__(self) -> None:
+        positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
+                    "idle_timeout", "max_queue", "announce_interval", "record_ttl")
+        bad = [f"--{n.replace('_', '-')}" for n in positive if not getattr(self, n) > 0]
+        if self.num_blocks is not None and self.num_blocks < 1:
+            bad.append("--num-blocks")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            bad.append("--memory-budget")
+        if bad:
+            raise ConfigError(f"{', '.join(bad)} must be positive")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.announce_interval >= self.record_ttl:
+            raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
+                              "announcements")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port")

@@ -61,6 +61,18 @@ class StepTimeout(SwarmError):
     code = "timeout"
 
 
+class ConfigError(SwarmError):
+    """A command-line option or configuration value is invalid."""
+
+    code = "bad_config"
+
+
+class SwarmUnreachable(SwarmError):
+    """None of the initial peers answered: the swarm cannot be joined from here."""
+
+    code = "unreachable"
+
+
 class ConnectionLost(SwarmError):
     """The stream to a peer closed or broke before a reply came: the peer is gone or dropped us."""
 
@@ -75,7 +87,7 @@ class ProtocolError(SwarmError):
 
 ERROR_CLASSES = {cls.code: cls for cls in (SwarmError, BadRequest, UnsupportedModel, CheckpointError, OutOfCache,
                                            Busy, NotServing, UnknownSession, StepTimeout, ConnectionLost,
-                                           ProtocolError)}
+                                           ProtocolError, ConfigError, SwarmUnreachable)}
 
 
 def error_from_code(code: str, message: str) -> SwarmError:

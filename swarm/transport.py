@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm import records, reaper
+from swarm.errors import ConfigError, SwarmError, SwarmUnreachable
 from swarm.identity import Identity, PeerId
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,11 @@ def _load_hivemind() -> types.SimpleNamespace:
     from hivemind.dht.node import DHTNode
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import RecordValidatorBase
-    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p import P2P, P2PDaemonError, PeerID
     from hivemind.utils.serializer import MSGPackSerializer
 
     return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, RecordValidatorBase=RecordValidatorBase, P2P=P2P,
-                                 PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
+                                 P2PDaemonError=P2PDaemonError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
 
 
 @functools.cache
@@ -143,6 +144,9 @@ class Node:
 
     async def __aenter__(self) -> Node:
         hm = _hm()
+        for addr in self.initial_peers:
+            if "/p2p/" not in addr or not addr.startswith("/"):
+                raise ConfigError(f"initial peer {addr!r} is not a full multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
         with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
             key_path = self._identity_path
             if key_path is None:  # ephemeral identity: the daemon reads the file at start only
@@ -150,19 +154,30 @@ class Node:
                 self.identity.save(key_path)
             loopback = _is_loopback(self.host)
             announce = [f"/ip4/{self.announce_host}/tcp/{self.port}"] if self.announce_host and self.port else None
-            self._p2p = await hm.P2P.create(
-                initial_peers=self.initial_peers or None, host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
-                announce_maddrs=announce, identity_path=str(key_path), check_if_identity_free=False,
-                auto_nat=not loopback, nat_port_map=not loopback, dht_mode="client" if self.client_mode else "server")
+            try:
+                self._p2p = await hm.P2P.create(
+                    initial_peers=self.initial_peers or None, host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
+                    announce_maddrs=announce, identity_path=str(key_path), check_if_identity_free=False,
+                    auto_nat=not loopback, nat_port_map=not loopback,
+                    dht_mode="client" if self.client_mode else "server")
+            except hm.P2PDaemonError as e:
+                if "bootstrap" in str(e):
+                    raise SwarmUnreachable(f"cannot reach any initial peer ({', '.join(self.initial_peers)}); is the "
+                                           "bootstrap node running and reachable?") from None
+                raise SwarmError(f"the transport daemon failed to start on {self.host}:{self.port}: {e}") from None
         try:
             self._reaper = subprocess.Popen([sys.executable, "-S", reaper.__file__, str(self._p2p._child.pid)],
                                             stdin=subprocess.PIPE)
             if str(self._p2p.peer_id) != self.peer_id:
                 raise RuntimeError(f"transport daemon runs as {self._p2p.peer_id}, expected {self.peer_id}")
-            self._dht = await hm.DHTNode.create(
-                p2p=self._p2p, initial_peers=self.initial_peers or None, client_mode=self.client_mode,
-                record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
-                cache_locally=False, cache_nearest=0)
+            try:
+                self._dht = await hm.DHTNode.create(
+                    p2p=self._p2p, initial_peers=self.initial_peers or None, client_mode=self.client_mode,
+                    record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
+                    cache_locally=False, cache_nearest=0)
+            except RuntimeError as e:  # hivemind's way of saying no initial peer answered
+                raise SwarmUnreachable(f"none of the initial peers answered ({e}); is the bootstrap node running "
+                                       f"and reachable at {', '.join(self.initial_peers)}?") from None
         except BaseException:
             await self._stop()
             raise

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from swarm import discovery
+from swarm.errors import ConfigError, SwarmUnreachable
+from swarm.identity import Identity
+from swarm.transport import Node
 from swarm_harness import LocalSwarm, pid_alive, wait_until
 
 pytestmark = pytest.mark.integration
@@ -73,3 +76,11 @@ def test_peer_announces_offline_on_clean_stop_and_vanished_records_expire(swarm,
     started = time.monotonic()
     wait_until(lambda: vanishing.peer_id not in states(1), 20, "the vanished peer's records to expire")
     assert time.monotonic() - started < 4 + 10
+
+
+def test_joining_an_unreachable_swarm_is_a_clear_error(loop):
+    nobody = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{Identity.generate().peer_id}"
+    with pytest.raises(SwarmUnreachable, match="initial peer"):
+        loop.run(Node(Identity.generate(), initial_peers=[nobody]).__aenter__())
+    with pytest.raises(ConfigError, match="full multiaddr"):
+        loop.run(Node(Identity.generate(), initial_peers=["/ip4/127.0.0.1/tcp/1"]).__aenter__())

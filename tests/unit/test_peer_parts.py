@@ -15,7 +15,7 @@ from peer.config import PeerConfig, parse_bytes
 from peer.runtime import Runtime
 from peer.sessions import SessionTable
 from swarm.config import add_options, from_args
-from swarm.errors import Busy, OutOfCache, StepTimeout, UnknownSession
+from swarm.errors import Busy, ConfigError, OutOfCache, StepTimeout, UnknownSession
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -204,3 +204,13 @@ def test_model_is_required(capsys):
 def test_help_shows_defaults():
     text = parser().format_help()
     assert "--max-sessions" in text and "(default: 64)" in text and "80% of available memory" in text
+
+
+@pytest.mark.parametrize("change, flag", [
+    ({"cache_tokens": 0}, "--cache-tokens"), ({"max_sessions": -1}, "--max-sessions"),
+    ({"num_blocks": 0}, "--num-blocks"), ({"dtype": "float64"}, "--dtype"),
+    ({"announce_interval": 60.0, "record_ttl": 30.0}, "--announce-interval"), ({"port": 70000}, "--port"),
+])
+def test_invalid_peer_config_is_a_config_error_naming_the_option(change, flag):
+    with pytest.raises(ConfigError, match=flag):
+        PeerConfig(model=Path("m"), **change)
