@@ -31,7 +31,7 @@ def test_flood_of_whole_cache_sessions_is_refused_fast(swarm, client, loop):
         honest = await peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=64)
         x = torch.randn(1, 4, 64)
         expected = await honest.step(x, 0)
-        latencies, refusals, honest_steps = [], [], 0
+        latencies, refusals, honest_steps = [], [], []
         done = asyncio.Event()
 
         async def attacker():
@@ -45,11 +45,11 @@ def test_flood_of_whole_cache_sessions_is_refused_fast(swarm, client, loop):
                     refusals.append(e.code)
                 latencies.append(time.perf_counter() - started)
 
-        async def keep_stepping():
-            nonlocal honest_steps
-            while not done.is_set():
+        async def keep_stepping():  # all through the flood, and at least 5 steps
+            while not done.is_set() or len(honest_steps) < 5:
+                started = time.perf_counter()
                 torch.testing.assert_close(await honest.step(x, 0), expected)
-                honest_steps += 1
+                honest_steps.append(time.perf_counter() - started)
 
         stepper = asyncio.create_task(keep_stepping())
         await asyncio.gather(*(attacker() for _ in range(ATTACKERS)))
@@ -63,10 +63,11 @@ def test_flood_of_whole_cache_sessions_is_refused_fast(swarm, client, loop):
     p50, p99 = statistics.median(latencies), latencies[int(0.99 * (len(latencies) - 1))]
     print(f"\nflood: {len(latencies)} whole-cache opens from {ATTACKERS} concurrent clients: "
           f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms; "
-          f"honest session stepped {honest_steps} times meanwhile")
+          f"honest session: {len(honest_steps)} steps meanwhile, median {statistics.median(honest_steps) * 1e3:.1f} ms, "
+          f"max {max(honest_steps) * 1e3:.1f} ms")
     assert refusals == ["out_of_cache"] * (ATTACKERS * ROUNDS)
     assert p99 < 0.200, f"p99 refusal latency {p99 * 1e3:.0f} ms"
-    assert honest_steps >= 10
+    assert max(honest_steps) < 0.5, f"an honest step took {max(honest_steps) * 1e3:.0f} ms during the flood"
 
 
 def test_sessions_beyond_the_limit_are_busy(swarm, client, loop):
