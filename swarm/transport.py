@@ -146,14 +146,17 @@ class Node:
         hm = _hm()
         for addr in self.initial_peers:
             if "/p2p/" not in addr or not addr.startswith("/"):
-                raise ConfigError(f"initial peer {addr!r} is not a full multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+                raise ConfigError(f"initial peer {addr!r} is not a full multiaddr like "
+                                  "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+        if self.announce_host and not self.port:
+            raise ConfigError("--announce-host needs a fixed --port: the announced address must be reachable")
         with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
             key_path = self._identity_path
             if key_path is None:  # ephemeral identity: the daemon reads the file at start only
                 key_path = Path(tmp) / "identity.key"
                 self.identity.save(key_path)
             loopback = _is_loopback(self.host)
-            announce = [f"/ip4/{self.announce_host}/tcp/{self.port}"] if self.announce_host and self.port else None
+            announce = [f"/ip4/{self.announce_host}/tcp/{self.port}"] if self.announce_host else None
             try:
                 self._p2p = await hm.P2P.create(
                     initial_peers=self.initial_peers or None, host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
