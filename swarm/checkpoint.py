@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,16 +106,21 @@ class Checkpoint:
 
     def block_bytes(self, block: int, dtype: torch.dtype) -> int:
         """Bytes block `block`'s parameters take in `dtype`, from the file headers (nothing is loaded)."""
-        names = self.tensor_names(f"{self.layout.base_prefix}.layers.{block}.")
-        numel = 0
+        with self._slices(self.tensor_names(f"{self.layout.base_prefix}.layers.{block}.")) as slices:
+            return sum(math.prod(s.get_shape()) for s in slices.values()) * dtype.itemsize
+
+    @contextmanager
+    def _slices(self, names: list[str]) -> Iterator[dict[str, object]]:
+        """Lazy slices of the named tensors, each file opened once; nothing is read until sliced."""
         with ExitStack() as stack:
             handles: dict[Path, object] = {}
+            slices: dict[str, object] = {}
             for name in names:
                 file = self._files[name]
                 if file not in handles:
                     handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                numel += math.prod(handles[file].get_slice(name).get_shape())
-        return numel * dtype.itemsize
+                slices[name] = handles[file].get_slice(name)
+            yield slices
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Attention cache bytes one token takes in one block (keys and values)."""
@@ -130,14 +136,7 @@ class Checkpoint:
         """Read the named tensors (and only those) into `model`, applying the family's conversions."""
         if not names:
             raise CheckpointError(f"{self.path}: no tensors to load (is the checkpoint complete?)")
-        with ExitStack() as stack:
-            handles: dict[Path, object] = {}
-            state: dict[str, object] = {}
-            for name in names:
-                file = self._files[name]
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                state[name] = handles[file].get_slice(name)  # lazy: read when loaded
+        with self._slices(names) as state:  # lazy: each tensor is read when loaded
             convert_and_load_state_dict_in_model(
                 model,
                 state,
