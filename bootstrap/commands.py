@@ -3,32 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 
 def register_bootstrap(sub: argparse._SubParsersAction) -> None:
     from bootstrap.node import BootstrapConfig
-    from swarm.config import add_options
+    from swarm.signals import add_service_command
 
-    p = sub.add_parser("bootstrap", help="run a bootstrap node: the stable entry point of a swarm",
-                       description="A DHT-only node with a stable identity. Prints its multiaddrs; give one to "
-                       "peers and clients as --initial-peers. Stops cleanly on Ctrl-C or SIGTERM.")
-    add_options(p, BootstrapConfig)
-    p.set_defaults(run=_run_bootstrap)
+    def load_serve():
+        from bootstrap.node import run
 
+        return run
 
-def _run_bootstrap(args: argparse.Namespace) -> int:
-    import asyncio
+    def default_identity(config: BootstrapConfig, args: argparse.Namespace) -> BootstrapConfig:
+        if config.identity is not None:
+            return config
+        return dataclasses.replace(config, identity=Path(args.cache_home) / "bootstrap.key")
 
-    from bootstrap.node import BootstrapConfig, run
-    from swarm.config import from_args
-    from swarm.signals import run_until_signal
-
-    config = from_args(BootstrapConfig, args)
-    if config.identity is None:
-        config = from_args(BootstrapConfig, args, identity=Path(args.cache_home) / "bootstrap.key")
-
-    async def main(stop: asyncio.Event) -> None:
-        await run(config, stop)
-
-    return run_until_signal(main)
+    add_service_command(sub, "bootstrap", BootstrapConfig, load_serve, finish=default_identity,
+                        help="run a bootstrap node: the stable entry point of a swarm",
+                        description="A DHT-only node with a stable identity. Prints its multiaddrs; give one to "
+                        "peers and clients as --initial-peers. Stops cleanly on Ctrl-C or SIGTERM.")

@@ -7,27 +7,13 @@ import argparse
 
 def register_peer(sub: argparse._SubParsersAction) -> None:
     from peer.config import PeerConfig
-    from swarm.config import add_options
+    from swarm.signals import add_service_command
 
-    p = sub.add_parser("peer", help="serve blocks of a model to the swarm",
-                       description="Load a span of a model's blocks, announce them (signed) in the swarm's DHT "
-                       "and serve inference sessions until stopped with Ctrl-C or SIGTERM.")
-    add_options(p, PeerConfig)
-    p.set_defaults(run=_run_peer)
+    def load_serve():
+        from peer.server import serve  # torch and transformers: only when a peer actually runs
 
+        return serve
 
-def _run_peer(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from peer.config import PeerConfig
-    from swarm.config import from_args
-    from swarm.signals import run_until_signal
-
-    config = from_args(PeerConfig, args)
-
-    async def main(stop: asyncio.Event) -> None:
-        from peer.server import serve
-
-        await serve(config, stop)
-
-    return run_until_signal(main)
+    add_service_command(sub, "peer", PeerConfig, load_serve, help="serve blocks of a model to the swarm",
+                        description="Load a span of a model's blocks, announce them (signed) in the swarm's DHT "
+                        "and serve inference sessions until stopped with Ctrl-C or SIGTERM.")
