@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from swarm import __version__, discovery, selection, wire
 from swarm.blocks import SpanBlocks
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.identity import Identity, load_or_create
-from swarm.records import check_model_id
+from swarm.records import check_model_id, default_model_id
 from swarm.span import Span
 from swarm.transport import Node, describe_peer
 
@@ -40,11 +39,6 @@ class PeerReady:
     model_id: str
     span: Span
     maddrs: tuple[str, ...]
-
-
-def default_model_id(path) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(path).rstrip("/").split("/")[-1]).strip("-._")[:64]
-    return check_model_id(name or "model")
 
 
 def available_memory() -> int:

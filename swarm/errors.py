@@ -85,9 +85,19 @@ class ProtocolError(SwarmError):
     code = "protocol"
 
 
+class NoRoute(SwarmError):
+    """Some blocks of the model have no live peer that can take the request; names the blocks."""
+
+    code = "no_route"
+
+    def __init__(self, message: str = "", missing: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing = missing
+
+
 ERROR_CLASSES = {cls.code: cls for cls in (SwarmError, BadRequest, UnsupportedModel, CheckpointError, OutOfCache,
                                            Busy, NotServing, UnknownSession, StepTimeout, ConnectionLost,
-                                           ProtocolError, ConfigError, SwarmUnreachable)}
+                                           ProtocolError, ConfigError, SwarmUnreachable, NoRoute)}
 
 
 def error_from_code(code: str, message: str) -> SwarmError:

@@ -54,6 +54,12 @@ def check_model_id(model: str) -> str:
     return model
 
 
+def default_model_id(path) -> str:
+    """The swarm name of a checkpoint directory when none is given: its sanitized directory name."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(path).rstrip("/").split("/")[-1]).strip("-._")[:64]
+    return check_model_id(name or "model")
+
+
 @dataclass(frozen=True)
 class Announcement:
     """What one peer says about itself, for each block of its span."""

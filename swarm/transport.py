@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm import records, reaper
-from swarm.errors import ConfigError, SwarmError, SwarmUnreachable
+from swarm.errors import ConfigError, ConnectionLost, SwarmError, SwarmUnreachable
 from swarm.identity import Identity, PeerId
 
 logger = logging.getLogger(__name__)
@@ -59,11 +59,12 @@ def _load_hivemind() -> types.SimpleNamespace:
     from hivemind.dht.node import DHTNode
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import RecordValidatorBase
-    from hivemind.p2p import P2P, P2PDaemonError, PeerID
+    from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
     from hivemind.utils.serializer import MSGPackSerializer
 
     return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, RecordValidatorBase=RecordValidatorBase, P2P=P2P,
-                                 P2PDaemonError=P2PDaemonError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
+                                 P2PDaemonError=P2PDaemonError,
+                                 P2PHandlerError=P2PHandlerError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
 
 
 @functools.cache
@@ -259,7 +260,12 @@ class Node:
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
 
     async def open(self, peer: PeerId, protocol: str) -> Stream:
-        _, reader, writer = await self._p2p.call_binary_stream_handler(_hm().PeerID.from_base58(peer), protocol)
+        """A new stream to `peer`; `ConnectionLost` if the peer cannot be reached or refuses the protocol."""
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(_hm().PeerID.from_base58(peer), protocol)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, _hm().P2PDaemonError,
+                _hm().P2PHandlerError) as e:
+            raise ConnectionLost(f"cannot open {protocol} to peer {describe_peer(peer)}: {e}") from None
         return Stream(reader, writer, peer)
 
 
