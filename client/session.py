@@ -1,0 +1,265 @@
+"""An inference session through the swarm: a route of peer sessions, with exact failover. Async.
+
+Each step sends hidden states `[batch, tokens, hidden]` at a position through every hop of the route
+in order. For every hop the session keeps the inputs it sent (`history[hop start]`, positions
+`[0, length)`): that is all a replacement peer needs to rebuild its cache.
+
+Failover: when a hop fails (the stream breaks, a typed error that another peer may not have, or no
+reply within the hop's deadline), its peer is banned, a new chain is found for the hop's span, the new
+peers open sessions and are replayed the hop's history (each new peer's replay output is the next
+new peer's history), and the failed step is sent again. The hops before and after keep their caches.
+Greedy output is the same as without the failure, because every peer computes the same function of
+the same inputs.
+
+Deadlines come from the peer's own recent figures (`SwarmClient.deadline`), so a frozen peer costs
+about `min_deadline` plus a few expected step times, not minutes. A peer whose decode steps become
+several times slower than usual for several steps in a row is avoided for the rest of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from client.peer_client import PeerSession
+from client.routing import Hop
+from client.swarm_client import SwarmClient, retryable
+from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.transport import describe_peer
+
+logger = logging.getLogger(__name__)
+
+
+class SlowDetector:
+    """Flags a peer whose decode steps became slow: the median of its last `steps` decode steps is above
+    `factor` times (and `floor_ms` more than) its usual latency, the median of its recent normal steps.
+    A median, so one stray pause never counts, while a peer slow most of the time does."""
+
+    def __init__(self, factor: float = 4.0, steps: int = 3, warmup: int = 5, floor_ms: float = 50.0):
+        self.factor, self.steps, self.warmup, self.floor_ms = factor, steps, warmup, floor_ms
+        self.normal: deque[float] = deque(maxlen=16)
+        self.recent: deque[float] = deque(maxlen=steps)
+
+    def observe(self, ms: float, tokens: int) -> bool:
+        """Record one step; True while the peer counts as slow."""
+        if tokens != 1:
+            return False
+        if len(self.normal) < self.warmup:
+            self.normal.append(ms)
+            return False
+        usual = statistics.median(self.normal)
+        limit = max(self.factor * usual, usual + self.floor_ms)
+        self.recent.append(ms)
+        if ms <= limit:
+            self.normal.append(ms)
+        return len(self.recent) == self.steps and statistics.median(self.recent) > limit
+
+
+@dataclass
+class Link:
+    """One hop of the live route and its open session (None until first used)."""
+
+    hop: Hop
+    session: PeerSession | None = None
+    detector: SlowDetector = field(default_factory=SlowDetector)
+    slow: bool = False
+
+
+@dataclass(frozen=True)
+class Failover:
+    blocks: str
+    failed_peer: str
+    reason: str
+    new_hops: tuple[str, ...]
+    stall_s: float  # from sending the step that failed to its output from the new peers
+
+
+class InferenceSession:
+    """`async with InferenceSession(client, max_length) as s: out = await s.step(hidden)`."""
+
+    def __init__(self, client: SwarmClient, max_length: int):
+        if max_length < 1:
+            raise BadRequest(f"max_length must be positive, got {max_length}")
+        self.client, self.max_length = client, max_length
+        self.config = client.config
+        self.dtype = getattr(torch, client.config.dtype)
+        self.batch: int | None = None
+        self.length = 0
+        self.links: list[Link] = []
+        self.history: dict[int, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None  # the attention mask of positions [0, length), when not all ones
+        self.avoid: set[str] = set()  # peers too slow for this session
+        self.failovers: list[Failover] = []
+        self.closed = False
+        self._closing: set[asyncio.Task] = set()  # sessions of replaced hops, closed in the background
+
+    @property
+    def route(self) -> list[Hop]:
+        return [link.hop for link in self.links]
+
+    async def __aenter__(self) -> InferenceSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self.closed = True
+        links, self.links = self.links, []
+        await asyncio.gather(*(self._close_link(link) for link in links), *self._closing)
+
+    @staticmethod
+    async def _close_link(link: Link) -> None:
+        session, link.session = link.session, None
+        if session is not None:
+            try:
+                await asyncio.wait_for(session.close(), 2.0)
+            except (asyncio.TimeoutError, SwarmError, OSError):
+                pass  # a dead or frozen peer: its cache is reclaimed when it notices the stream is gone
+
+    # ---- steps ----
+
+    async def step(self, hidden: torch.Tensor, position: int | None = None,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `hidden` at `position` (default: the current length; lower: roll back) through all blocks.
+
+        `attention_mask` [batch, position + tokens] marks padding (0) over the whole sequence so far."""
+        if self.closed:
+            raise BadRequest("the inference session is closed")
+        position = self.length if position is None else position
+        if hidden.ndim != 3 or hidden.shape[1] < 1:
+            raise BadRequest(f"hidden states must be [batch, tokens, hidden], got {list(hidden.shape)}")
+        batch, tokens = hidden.shape[0], hidden.shape[1]
+        if self.batch is None:
+            self.batch = batch
+        if batch != self.batch:
+            raise BadRequest(f"this session was opened for batch {self.batch}, got {batch}")
+        if not 0 <= position <= self.length:
+            raise BadRequest(f"position {position} is beyond the session's length {self.length}")
+        if position + tokens > self.max_length:
+            raise BadRequest(f"{position + tokens} tokens exceed the session's max_length {self.max_length}")
+        mask = self._mask_for(attention_mask, position, tokens)
+        if not self.links:
+            self.links = [Link(h) for h in await self.client.route(cache_tokens=self.batch * self.max_length)]
+            logger.debug("route: %s", " -> ".join(str(h) for h in self.route))
+        for start in self.history:
+            self.history[start] = self.history[start][:, :position]
+        x, i = hidden.to(self.dtype), 0
+        while i < len(self.links):
+            out = await self._through(i, x, position, mask)
+            start = self.links[i].hop.span.start
+            self.history[start] = torch.cat([self.history[start], x], dim=1) if position else x
+            x, i = out, i + 1
+        self.length = position + tokens
+        self.mask = mask
+        return x
+
+    def _mask_for(self, attention_mask: torch.Tensor | None, position: int, tokens: int) -> torch.Tensor | None:
+        total = position + tokens
+        if attention_mask is None:
+            if self.mask is None:
+                return None
+            ones = torch.ones(self.batch, tokens, dtype=self.mask.dtype)
+            return torch.cat([self.mask[:, :position], ones], dim=1)
+        if attention_mask.shape != (self.batch, total):
+            raise BadRequest(f"attention mask must be [{self.batch}, {total}], got {list(attention_mask.shape)}")
+        return None if bool(attention_mask.all()) and self.mask is None else attention_mask
+
+    async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Output of link `i` for `x`, replacing the link (and replaying) until a peer succeeds."""
+        began = time.perf_counter()
+        failure: tuple[str, str] | None = None
+        retries = 0
+        while True:
+            link = self.links[i]
+            if link.slow:
+                await self._avoid_slow(i)
+                link = self.links[i]
+            try:
+                if link.session is None:
+                    await self._open(link, position, mask)
+                out = await self._step(link, x, position, mask)
+            except (asyncio.TimeoutError, SwarmError) as e:
+                if not retryable(e) and not (isinstance(e, BadRequest) and link.session is None):
+                    raise  # our own request is wrong: another peer would refuse it too
+                reason = getattr(e, "code", "timeout")
+                failure = failure or (link.hop.peer, reason)
+                retries += 1
+                self.client.ban(link.hop.peer, reason)
+                logger.warning("blocks %s at peer %s failed (%s): rerouting", link.hop.span,
+                               describe_peer(link.hop.peer), e if isinstance(e, SwarmError) else "no reply in time")
+                self._close_in_background(link)
+                if retries > self.config.max_retries:
+                    raise NoRoute(f"blocks {link.hop.span} of {self.client.model_id} failed on {retries} peers in a "
+                                  f"row; last error: {reason}") from None
+                await self._replace(i, exclude=self.avoid)
+                continue
+            if failure is not None:
+                new = tuple(str(lk.hop) for lk in self.links[i:i + 1])
+                self.failovers.append(Failover(str(link.hop.span), failure[0], failure[1], new,
+                                               time.perf_counter() - began))
+            return out
+
+    async def _replace(self, i: int, exclude: set[str]) -> None:
+        span = self.links[i].hop.span
+        hops = await self.client.route(span, cache_tokens=self.batch * self.max_length, exclude=frozenset(exclude))
+        self.links[i:i + 1] = [Link(h) for h in hops]
+        # inputs at boundaries inside the span are rebuilt by replay, hop by hop
+        self.history = {b: h for b, h in self.history.items() if not span.start < b < span.end}
+        logger.info("blocks %s now at %s", span, ", ".join(str(h) for h in hops))
+
+    async def _avoid_slow(self, i: int) -> None:
+        link = self.links[i]
+        link.slow = False
+        self.avoid.add(link.hop.peer)
+        try:
+            await self._replace(i, exclude=self.avoid)
+        except NoRoute:
+            self.avoid.discard(link.hop.peer)  # no alternative: keep the slow peer
+            link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
+            return
+        self.failovers.append(Failover(str(link.hop.span), link.hop.peer, "slow",
+                                       tuple(str(lk.hop) for lk in self.links[i:i + 1]), 0.0))
+        self._close_in_background(link)
+
+    def _close_in_background(self, link: Link) -> None:
+        task = asyncio.create_task(self._close_link(link))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _open(self, link: Link, position: int, mask: torch.Tensor | None) -> None:
+        """Open a session on the link's peer and replay the hop's history into it."""
+        hop = link.hop
+        link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
+        link.session = await asyncio.wait_for(
+            PeerSession.open(self.client.node, hop.peer, self.client.model_id, hop.span, max_length=self.max_length,
+                             batch=self.batch, dtype=self.dtype, timeout=self.config.open_timeout),
+            self.config.open_timeout)
+        self.client.measurements.cache(hop.peer, int(link.session.opened.get("cache_tokens_left", 0)))
+        if position == 0:
+            return
+        past = self.history.get(hop.span.start)
+        if past is None or past.shape[1] < position:
+            raise RuntimeError(f"no history at block {hop.span.start} to replay")  # a bug, not a peer failure
+        out = await self._step(link, past[:, :position], 0, None if mask is None else mask[:, :position])
+        if hop.span.end < self.client.num_blocks and hop.span.end not in self.history:
+            self.history[hop.span.end] = out  # the next new hop's replay input
+
+    async def _step(self, link: Link, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
+        hop, tokens = link.hop, x.shape[1]
+        started = time.perf_counter()
+        out = await asyncio.wait_for(link.session.step(x, position, mask), self.client.deadline(hop, tokens))
+        ms = (time.perf_counter() - started) * 1e3
+        self.client.measurements.step(hop.peer, ms, link.session.last_compute_ms, tokens, len(hop.span))
+        self.client.bans.succeeded(hop.peer)
+        if link.detector.observe(ms, tokens):
+            logger.warning("peer %s is slow (%.0f ms per step): avoiding it for this session",
+                           describe_peer(hop.peer), ms)
+            link.slow = True
+        return out

@@ -1,0 +1,187 @@
+"""The client's view of one model in the swarm: who serves what, how fast, who failed. Async.
+
+`SwarmClient` reads announcements from the DHT (at most every `refresh_interval`, or sooner after a
+failure), pings the peers it has not measured, keeps the measured figures and the bans, and answers
+`route(span)` with the cheapest chain (`client.routing`). Sessions (`client.session`) and stateless
+forwards use it; neither talks to the DHT itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from client import peer_client
+from client.config import ClientConfig
+from client.routing import Bans, Hop, Measurements, Offer, find_route
+from swarm import discovery
+from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.span import Span
+from swarm.transport import Node, describe_peer
+
+logger = logging.getLogger(__name__)
+
+MAX_PINGS = 32  # peers pinged per refresh at most; the rest keep the default delay until used
+RETRYABLE = ("connection_lost", "timeout", "busy", "out_of_cache", "not_serving", "unknown_session", "protocol",
+             "internal")
+
+
+def retryable(err: BaseException) -> bool:
+    """Whether another peer may succeed where this one failed (the request itself was fine)."""
+    return isinstance(err, asyncio.TimeoutError) or (isinstance(err, SwarmError) and err.code in RETRYABLE)
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """One peer as `swarm status` shows it."""
+
+    peer: str
+    span: Span
+    state: str
+    throughput: float
+    cache_tokens_left: int
+    version: str
+    latency_ms: float | None
+
+
+class SwarmClient:
+    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig):
+        self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
+        self.measurements = Measurements()
+        self.bans = Bans(base=config.ban_seconds)
+        self.offers: dict[str, Offer] = {}
+        self.states: dict[str, PeerState] = {}
+        self._refreshed = -float("inf")
+        self._lock = asyncio.Lock()
+
+    @property
+    def span(self) -> Span:
+        return Span(0, self.num_blocks)
+
+    # ---- the view ----
+
+    async def refresh(self, force: bool = False) -> None:
+        """Re-read the DHT if the view is older than `refresh_interval` (or, when forced, than 0.5 s)."""
+        async with self._lock:
+            age = time.monotonic() - self._refreshed
+            if age < (0.5 if force else self.config.refresh_interval):
+                return
+            anns = await discovery.announcements(self.node, self.model_id, self.num_blocks)
+            latest: dict[str, object] = {}
+            for block_anns in anns.values():
+                for ann in block_anns:
+                    if ann.peer not in latest or ann.seq > latest[ann.peer].seq:
+                        latest[ann.peer] = ann
+            self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left) for p, a in latest.items()
+                           if a.state == "online" and a.span.end <= self.num_blocks}
+            self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None)
+                           for p, a in latest.items()}
+            self._refreshed = time.monotonic()
+            unmeasured = [p for p in self.offers if self.measurements.delay_ms(p) is None and not self.bans.banned(p)]
+            await self.ping_all(unmeasured[:MAX_PINGS])
+
+    async def ping(self, peer: str) -> float | None:
+        """Round trip of an info call in ms, recorded; on failure the peer is banned and None returned."""
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(peer_client.info(self.node, peer, timeout=self.config.ping_timeout),
+                                   self.config.ping_timeout)
+        except (asyncio.TimeoutError, SwarmError) as e:
+            self.ban(peer, getattr(e, "code", "timeout"))
+            return None
+        rtt = (time.perf_counter() - started) * 1e3
+        self.measurements.ping(peer, rtt)
+        return rtt
+
+    async def ping_all(self, peers: list[str]) -> list[float | None]:
+        return list(await asyncio.gather(*(self.ping(p) for p in peers)))
+
+    def ban(self, peer: str, reason: str) -> None:
+        seconds = self.bans.ban(peer, reason)
+        logger.info("peer %s failed (%s): avoided for %.0f s", describe_peer(peer), reason, seconds)
+
+    # ---- routes ----
+
+    async def route(self, span: Span | None = None, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
+                    ) -> list[Hop]:
+        """The cheapest chain covering `span` (default: every block), refreshing the view if it has none.
+
+        If no chain exists, the view is re-read once; then peers banned only for timing out get one ping
+        each (a peer that answers is forgiven), since a slow moment must not end a generation that has no
+        alternative. Still nothing: `NoRoute` naming the missing blocks.
+        """
+        span = span or self.span
+        await self.refresh()
+        try:
+            return self._find(span, cache_tokens, exclude)
+        except NoRoute:
+            await self.refresh(force=True)
+        try:
+            return self._find(span, cache_tokens, exclude)
+        except NoRoute:
+            timed_out = [p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
+                         and self.bans.reasons.get(p) == "timeout" and o.span.start < span.end and span.start < o.span.end]
+            if not timed_out:
+                raise
+            for peer, rtt in zip(timed_out, await self.ping_all(timed_out)):
+                if rtt is not None:
+                    self.bans.lift(peer)
+            return self._find(span, cache_tokens, exclude)
+
+    def _find(self, span: Span, cache_tokens: int, exclude: frozenset[str]) -> list[Hop]:
+        return find_route(self.offers.values(), span, self.measurements, self.bans, exclude=exclude,
+                          cache_tokens=cache_tokens, model=self.model_id)
+
+    def offer(self, peer: str) -> Offer:
+        return self.offers.get(peer) or Offer(peer, self.span)
+
+    def deadline(self, hop: Hop, tokens: int) -> float:
+        """Seconds a step of `tokens` through `hop` may take before it counts as a failure."""
+        expected_s = self.measurements.expected_ms(self.offer(hop.peer), len(hop.span), tokens) / 1e3
+        return min(self.config.step_timeout, self.config.min_deadline + self.config.deadline_factor * expected_s)
+
+    # ---- stateless forward ----
+
+    async def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole sequences through every block, hop by hop, rerouting a failed hop's span."""
+        hops = await self.route()
+        dtype = getattr(torch, self.config.dtype)
+        x, i = hidden.to(dtype), 0
+        retries = 0
+        while i < len(hops):
+            hop = hops[i]
+            started = time.perf_counter()
+            try:
+                x_next = await asyncio.wait_for(
+                    peer_client.forward(self.node, hop.peer, self.model_id, hop.span, x, attention_mask,
+                                        timeout=self.config.step_timeout),
+                    self.deadline(hop, x.shape[0] * x.shape[1]))
+            except (asyncio.TimeoutError, SwarmError) as e:
+                if not retryable(e) or isinstance(e, BadRequest):
+                    raise
+                retries += 1
+                self.ban(hop.peer, getattr(e, "code", "timeout"))
+                if retries > self.config.max_retries:
+                    raise NoRoute(f"blocks {hop.span} of {self.model_id} failed on {retries} peers; last: {e}") from None
+                hops[i:i + 1] = await self.route(hop.span)
+                continue
+            self.measurements.ping(hop.peer, (time.perf_counter() - started) * 1e3)
+            self.bans.succeeded(hop.peer)
+            x, i = x_next, i + 1
+        return x
+
+    # ---- status ----
+
+    async def status(self) -> tuple[list[PeerState], list[int]]:
+        """Every peer that announced blocks of the model (pinged if online) and the blocks no online peer serves."""
+        await self.refresh(force=True)
+        online = [p for p, s in self.states.items() if s.state == "online"]
+        rtts = dict(zip(online, await self.ping_all(online)))
+        peers = sorted((PeerState(**{**s.__dict__, "latency_ms": rtts.get(p)}) for p, s in self.states.items()),
+                       key=lambda s: (s.span.start, s.span.end, s.peer))
+        covered = {b for s in peers if s.state == "online" and s.latency_ms is not None for b in s.span}
+        return peers, [b for b in range(self.num_blocks) if b not in covered]

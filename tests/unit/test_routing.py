@@ -1,0 +1,200 @@
+"""Routing: the cheapest chain of peers over a synthetic swarm view, bans, cache room, and the slow-peer detector."""
+
+from __future__ import annotations
+
+import pytest
+
+from client.routing import UNMEASURED_DELAY_MS, Bans, Hop, Measurements, Offer, find_route
+from client.session import SlowDetector
+from swarm.errors import NoRoute
+from swarm.span import Span
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    """A fake monotonic clock the test advances by hand."""
+
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def measured(**figures: tuple[float, float, int]) -> Measurements:
+    """Measurements from one decode step per peer: peer=(delay_ms, block_ms, blocks)."""
+    m = Measurements()
+    for peer, (delay, block, blocks) in figures.items():
+        m.step(peer, rtt_ms=delay + block * blocks, compute_ms=block * blocks, tokens=1, blocks=blocks)
+    return m
+
+
+def route(offers, span, m=None, bans=None, **kw) -> list[Hop]:
+    return find_route(offers, span, m or Measurements(), bans or Bans(), **kw)
+
+
+def peers(hops: list[Hop]) -> list[str]:
+    return [h.peer for h in hops]
+
+
+def assert_chain(hops: list[Hop], span: Span) -> None:
+    assert hops[0].span.start == span.start and hops[-1].span.end == span.end
+    assert all(a.span.end == b.span.start for a, b in zip(hops, hops[1:]))
+
+
+ONE_SLOW_TWO_FAST = [Offer("slow", Span(0, 6)), Offer("fast1", Span(0, 3)), Offer("fast2", Span(3, 6))]
+
+
+@pytest.mark.parametrize("fast_delay,expected", [
+    (10.0, [("fast1", Span(0, 3)), ("fast2", Span(3, 6))]),  # 2 * (10 + 3*5) = 50 < 10 + 6*10 = 70
+    (40.0, [("slow", Span(0, 6))]),  # 2 * (40 + 3*5) = 110 > 70: the extra hop's delay is not worth it
+])
+def test_picks_the_cheaper_chain(fast_delay, expected):
+    m = measured(slow=(10.0, 10.0, 6), fast1=(fast_delay, 5.0, 3), fast2=(fast_delay, 5.0, 3))
+    assert route(ONE_SLOW_TWO_FAST, Span(0, 6), m) == [Hop(p, s) for p, s in expected]
+
+
+def test_measured_compute_wins_over_announced_throughput():
+    offers = [Offer("boaster", Span(0, 6), throughput=1000.0), Offer("honest", Span(0, 6), throughput=10.0)]
+    assert peers(route(offers, Span(0, 6))) == ["boaster"]  # unmeasured: its announcement decides
+    m = measured(boaster=(10.0, 100.0, 6))  # measured: 10 + 600 ms against honest's 50 + 100 ms
+    m.step("boaster", rtt_ms=20.0, compute_ms=10.0, tokens=8, blocks=6)  # a fast prefill changes no block speed
+    assert m.block_ms(offers[0]) == 100.0
+    assert peers(route(offers, Span(0, 6), m)) == ["honest"]
+
+
+def test_unmeasured_peer_gets_the_default_delay():
+    offers = [Offer("a", Span(0, 4), throughput=10.0), Offer("b", Span(0, 4), throughput=10.0)]
+    assert Measurements().expected_ms(offers[0], blocks=4, tokens=1) == UNMEASURED_DELAY_MS + 100.0
+    m = Measurements()
+    m.ping("b", UNMEASURED_DELAY_MS - 1)
+    assert peers(route(offers, Span(0, 4), m)) == ["b"]  # measured wins at equal compute, despite "a" < "b"
+    m = Measurements()
+    m.ping("b", UNMEASURED_DELAY_MS + 1)
+    assert peers(route(offers, Span(0, 4), m)) == ["a"]
+
+
+def test_route_covers_exactly_the_requested_span():
+    assert route([Offer("a", Span(0, 6))], Span(2, 4)) == [Hop("a", Span(2, 4))]
+    offers = [Offer("a", Span(0, 4)), Offer("b", Span(2, 8)), Offer("c", Span(6, 10))]
+    hops = route(offers, Span(1, 9))
+    assert_chain(hops, Span(1, 9))
+    assert peers(hops) == ["a", "b", "c"]  # every peer costs the same: the fewest hops
+
+
+def test_avoids_peers_without_room_for_the_cache():
+    clock = Clock()
+    m = Measurements(cache_ttl=30.0, clock=clock)
+    m.ping("small", 1.0)  # "small" is cheaper whenever it is eligible
+    offers = [Offer("small", Span(0, 4), cache_tokens_left=100), Offer("big", Span(0, 4), cache_tokens_left=1000)]
+    assert peers(route(offers, Span(0, 4), m, cache_tokens=50)) == ["small"]
+    assert peers(route(offers, Span(0, 4), m, cache_tokens=500)) == ["big"]
+    m.cache("small", 800)  # its last reply says it has room now
+    clock.t = 30.0
+    assert peers(route(offers, Span(0, 4), m, cache_tokens=500)) == ["small"]
+    clock.t = 30.5  # the measurement expired: the announcement counts again
+    assert peers(route(offers, Span(0, 4), m, cache_tokens=500)) == ["big"]
+    m.cache("big", 10)
+    with pytest.raises(NoRoute, match=r"2 without room for 500 cache tokens") as e:
+        route(offers, Span(0, 4), m, cache_tokens=500)
+    assert e.value.missing == (0, 1, 2, 3)
+
+
+def test_ban_backoff_doubles_up_to_the_limit_and_success_resets_it():
+    bans = Bans(base=5, limit=30, clock=Clock())
+    assert [bans.ban("p", "timeout") for _ in range(5)] == [5, 10, 20, 30, 30]
+    bans.succeeded("p")
+    assert not bans.banned("p")
+    assert bans.ban("p", "timeout") == 5 and bans.banned("p")
+    bans.lift("p")
+    assert not bans.banned("p")
+
+
+def test_banned_peer_is_avoided_until_the_ban_expires():
+    clock = Clock()
+    bans = Bans(base=5, limit=300, clock=clock)
+    m = measured(fast=(1.0, 1.0, 4), slow=(50.0, 50.0, 4))
+    offers = [Offer("fast", Span(0, 4)), Offer("slow", Span(0, 4))]
+    assert peers(route(offers, Span(0, 4), m, bans)) == ["fast"]
+    bans.ban("fast", "timeout")
+    clock.t = 4.9
+    assert peers(route(offers, Span(0, 4), m, bans)) == ["slow"]
+    clock.t = 5.0
+    assert peers(route(offers, Span(0, 4), m, bans)) == ["fast"]
+    assert bans.ban("fast", "timeout") == 10  # the second failure in a row: twice as long
+    clock.t = 14.9
+    assert peers(route(offers, Span(0, 4), m, bans)) == ["slow"]
+
+
+def test_ban_backoff_stays_capped_after_many_failures():
+    bans = Bans(base=5.0, limit=300.0, clock=Clock())  # float seconds, as from the client's config
+    assert {bans.ban("p", "error") for _ in range(1100)} == {5, 10, 20, 40, 80, 160, 300}
+
+
+def test_excluded_peer_is_not_used():
+    m = measured(fast=(1.0, 1.0, 4))
+    offers = [Offer("fast", Span(0, 4)), Offer("other", Span(0, 4))]
+    assert peers(route(offers, Span(0, 4), m, exclude={"fast"})) == ["other"]
+    with pytest.raises(NoRoute, match=r"2 avoided for this session"):
+        route(offers, Span(0, 4), m, exclude={"fast", "other"})
+
+
+def test_no_route_message_with_an_iterator_exclude():
+    with pytest.raises(NoRoute, match=r"1 avoided for this session"):
+        route([Offer("a", Span(0, 4))], Span(0, 4), exclude=iter(["a"]))
+
+
+def test_no_route_names_the_missing_blocks_and_why():
+    bans = Bans(clock=Clock())
+    offers = [Offer("a", Span(0, 3)), Offer("b", Span(3, 6)), Offer("c", Span(6, 9))]
+    bans.ban("b", "timeout")
+    with pytest.raises(NoRoute) as e:
+        route(offers, Span(0, 9), bans=bans, model="tiny-llama")
+    assert e.value.missing == (3, 4, 5)
+    assert "[3:6)" in str(e.value) and "tiny-llama" in str(e.value)
+    assert "1 failed recently (timeout)" in str(e.value)
+    # two separate gaps are named separately, and an unserved gap says nobody announces it
+    offers = [Offer("a", Span(0, 2)), Offer("b", Span(2, 4)), Offer("c", Span(4, 6)), Offer("d", Span(6, 8))]
+    bans.ban("d", "connection_lost")
+    with pytest.raises(NoRoute) as e:
+        route(offers, Span(0, 8), bans=bans)
+    assert e.value.missing == (2, 3, 6, 7) and "blocks [2:4), [6:8) of" in str(e.value)
+    assert "2 failed recently (connection_lost, timeout)" in str(e.value)
+    with pytest.raises(NoRoute, match=r"blocks \[4:6\) of the model; peers announcing them: 0$") as e:
+        route(offers[:2], Span(0, 6))
+    assert e.value.missing == (4, 5)
+
+
+def test_ties_are_broken_deterministically():
+    twins = [Offer("b", Span(0, 4), throughput=10.0), Offer("a", Span(0, 4), throughput=10.0)]
+    assert route(twins, Span(0, 4)) == route(twins[::-1], Span(0, 4)) == [Hop("a", Span(0, 4))]
+    # one hop of 20 + 2*5 = 30 against two hops of 10 + 5 each: equal cost, fewer hops wins
+    m = measured(z=(20.0, 5.0, 2), a=(10.0, 5.0, 1), b=(10.0, 5.0, 1))
+    offers = [Offer("a", Span(0, 1)), Offer("b", Span(1, 2)), Offer("z", Span(0, 2))]
+    assert route(offers, Span(0, 2), m) == route(offers[::-1], Span(0, 2), m) == [Hop("z", Span(0, 2))]
+
+
+def warmed(ms: float = 10.0, warmup: int = 5, **kw) -> SlowDetector:
+    detector = SlowDetector(warmup=warmup, **kw)
+    assert not any(detector.observe(ms, 1) for _ in range(warmup))
+    return detector
+
+
+def test_slow_detector_ignores_warmup_and_prefill():
+    detector = SlowDetector(factor=4, steps=1, warmup=5, floor_ms=0)
+    assert not any(detector.observe(ms, 1) for ms in [10, 10, 10, 10, 1000])  # still warming up
+    assert not any(detector.observe(1000, tokens=64) for _ in range(10))  # prefill steps are not compared
+    assert detector.observe(1000, 1)  # the first slow decode step after warmup, with steps=1
+
+
+def test_slow_detector_needs_most_recent_decode_steps_slow():
+    detector = warmed(factor=4, steps=3, floor_ms=0)
+    assert [detector.observe(ms, 1) for ms in [100, 10, 10, 100, 10]] == [False] * 5  # lone outliers never count
+    assert detector.observe(100, 1)  # two of the last three are slow
+
+
+def test_slow_detector_floor_ignores_jitter_on_a_tiny_baseline():
+    detector = warmed(ms=1.0, factor=4, steps=3, floor_ms=50)
+    assert not any(detector.observe(ms, 1) for ms in [5, 20, 51])  # 51 is not above 1 + 50
+    assert [detector.observe(52, 1) for _ in range(2)] == [False, True]  # the window's median passes 51
+    assert warmed(ms=1.0, factor=4, steps=1, floor_ms=0).observe(5, 1)  # without a floor, jitter would count
