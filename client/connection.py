@@ -1,0 +1,58 @@
+"""A client node joined to the swarm, driven from synchronous code.
+
+The SDK's blocking API runs every coroutine on one background event loop (`LoopThread`) that owns a
+client-mode DHT node and the `SwarmClient`. One per model object; `close()` (or `with`) stops both.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from client.config import ClientConfig
+from client.loop import LoopThread
+from client.swarm_client import SwarmClient
+from swarm.errors import ConfigError
+from swarm.identity import Identity
+from swarm.transport import Node
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SwarmConnection:
+    def __init__(self, model_id: str, num_blocks: int, config: ClientConfig):
+        if not config.initial_peers:
+            raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
+        self.config = config
+        self._loop = LoopThread("swarm-client")
+        self._loop.__enter__()
+        self.node = Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True)
+        try:
+            self._loop.run(self.node.__aenter__(), timeout=120)
+        except BaseException:
+            self._loop.__exit__(None, None, None)
+            raise
+        self.client = SwarmClient(self.node, model_id, num_blocks, config)
+        self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self.node)
+
+    @property
+    def longest_wait(self) -> float:
+        """An outer bound for any one call: every step retried to the limit at the longest deadline."""
+        return self.config.step_timeout * (self.config.max_retries + 2) + 60
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self._loop.run(coro, self.longest_wait if timeout is None else timeout)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown(loop: LoopThread, node: Node) -> None:
+        try:
+            loop.run(node.__aexit__(None, None, None), timeout=30)
+        except Exception:  # closing anyway: the reaper stops the daemon if this process exits
+            logger.debug("client node did not stop cleanly", exc_info=True)
+        loop.__exit__(None, None, None)

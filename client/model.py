@@ -1,0 +1,207 @@
+"""The SDK's model: transformers' own `generate()` over a swarm.
+
+`DistributedModelForCausalLM.from_pretrained(path, initial_peers=[...])` loads only the head
+(embeddings, final norm, LM head) from the checkpoint directory and runs every decoder block through
+the swarm. It is a `PreTrainedModel` with `GenerationMixin`, so greedy search, sampling, repetition
+penalties, stop strings, streamers and batches are transformers' code, unchanged.
+
+How generation drives a session: `generate()` opens an inference session (unless one is active) and
+transformers calls `forward` with the whole sequence so far (this model keeps no transformers cache).
+The session remembers the tokens it has processed; `forward` sends only the part after the longest
+common prefix, at the position where it starts, so a changed history rolls the peers' caches back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from client.config import ClientConfig
+from client.connection import SwarmConnection
+from client.routing import Hop
+from client.session import Failover, InferenceSession
+from swarm.checkpoint import Checkpoint
+from swarm.errors import BadRequest
+from swarm.head import ModelHead
+from swarm.records import default_model_id
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteSession:
+    """A token-level inference session (sync): `with model.inference_session(max_length=64) as s:`.
+
+    `step(new_ids)` appends tokens and returns their logits; `feed(all_ids)` takes the whole sequence
+    and computes only what changed (what `generate` uses). Inside the `with`, `model.generate` continues
+    this session instead of opening its own."""
+
+    def __init__(self, model: DistributedModelForCausalLM, max_length: int):
+        self.model = model
+        self.session = InferenceSession(model.connection.client, max_length)
+        self.tokens: torch.Tensor | None = None  # ids processed so far [batch, length]
+        self.mask: torch.Tensor | None = None
+
+    @property
+    def position(self) -> int:
+        return 0 if self.tokens is None else self.tokens.shape[1]
+
+    @property
+    def route(self) -> list[Hop]:
+        return self.session.route
+
+    @property
+    def failovers(self) -> list[Failover]:
+        return self.session.failovers
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, new tokens, vocab] for `input_ids` appended to the session's sequence.
+        `attention_mask`, if given, covers the whole sequence including the new tokens."""
+        ids = input_ids if self.tokens is None else torch.cat([self.tokens, input_ids.to(self.tokens.dtype)], 1)
+        return self.feed(ids, attention_mask)
+
+    def feed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for the part of `input_ids` [batch, length] after its common prefix with the session."""
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise BadRequest(f"input ids must be [batch, tokens >= 1], got {list(input_ids.shape)}")
+        if attention_mask is not None and bool(attention_mask.all()) and self.mask is None:
+            attention_mask = None
+        keep = self._common_prefix(input_ids, attention_mask)
+        keep = min(keep, input_ids.shape[1] - 1)  # at least one token runs, to give logits
+        hidden = self.model.head.embed(input_ids[:, keep:])
+        out = self.model.connection.run(self.session.step(hidden, keep, attention_mask))
+        self.tokens, self.mask = input_ids.clone(), None if attention_mask is None else attention_mask.clone()
+        return self.model.head.logits(out)
+
+    def _common_prefix(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int:
+        if self.tokens is None or self.tokens.shape[0] != ids.shape[0]:
+            return 0
+        n = min(self.tokens.shape[1], ids.shape[1])
+        same = (self.tokens[:, :n] == ids[:, :n]).all(0)
+        if (mask is None) != (self.mask is None):
+            if mask is not None:
+                same &= mask[:, :n].bool().all(0)
+            else:
+                same &= self.mask[:, :n].bool().all(0)
+        elif mask is not None:
+            same &= (self.mask[:, :n] == mask[:, :n]).all(0)
+        differ = (~same).nonzero()
+        return int(differ[0]) if len(differ) else n
+
+    def close(self) -> None:
+        self.model.connection.run(self.session.close(), timeout=30)
+
+    def __enter__(self) -> RemoteSession:
+        if self.model.active_session is not None:
+            raise BadRequest("an inference session is already active on this model")
+        self.model.active_session = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.active_session = None
+        self.close()
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM whose blocks run in the swarm; see the module docstring."""
+
+    base_model_prefix = "swarm"
+    main_input_name = "input_ids"
+    _supports_sdpa = True  # attention runs on the peers; nothing here depends on its implementation
+
+    def __init__(self, config, head: ModelHead, connection: SwarmConnection, model_id: str):
+        super().__init__(config)
+        self.head = head
+        self.connection = connection
+        self.model_id = model_id
+        self.active_session: RemoteSession | None = None
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, initial_peers=(), *, model_id: str | None = None,
+                        dtype: str | None = None, config: ClientConfig | None = None,
+                        **options) -> DistributedModelForCausalLM:
+        """`model`: a local checkpoint directory (config and head tensors are read from it; its blocks are
+        not). `model_id`: the model's name in the swarm (default: the directory name, as peers use).
+        `config` and `options`: settings of `ClientConfig` (deadlines, retries, ...)."""
+        ckpt = Checkpoint(model)
+        given = {"initial_peers": tuple(initial_peers), "model_id": model_id, "dtype": dtype}
+        config = dataclasses.replace(config or ClientConfig(), **{k: v for k, v in given.items() if v}, **options)
+        model_id = config.model_id or default_model_id(model)
+        head = ModelHead(ckpt, dtype=config.dtype)
+        connection = SwarmConnection(model_id, ckpt.num_blocks, config)
+        try:
+            self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)
+            if (Path(model) / "generation_config.json").exists():
+                self.generation_config = GenerationConfig.from_pretrained(model)
+        except BaseException:
+            connection.close()
+            raise
+        self.eval()
+        return self
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the caches live on the peers
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> DistributedModelForCausalLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.head.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head.lm_head
+
+    def inference_session(self, max_length: int) -> RemoteSession:
+        """A session whose caches on the peers hold up to `max_length` tokens per sequence."""
+        return RemoteSession(self, max_length)
+
+    def route(self) -> list[Hop]:
+        """The chain of peers a new session would use now."""
+        return self.connection.run(self.connection.client.route())
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+        """Logits for `input_ids`. Inside a session: only for the tokens that are new to it. Otherwise a
+        stateless forward of the whole sequence through the swarm."""
+        if inputs_embeds is not None or input_ids is None:
+            raise BadRequest("pass input_ids: inputs_embeds are not supported")
+        if self.active_session is not None:
+            return CausalLMOutputWithPast(logits=self.active_session.feed(input_ids, attention_mask))
+        hidden = self.head.embed(input_ids)
+        mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
+        out = self.connection.run(self.connection.client.forward(hidden, mask))
+        return CausalLMOutputWithPast(logits=self.head.logits(out))
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
+        # the whole sequence every time: the session itself finds what is new (see the module docstring)
+        return super().prepare_inputs_for_generation(input_ids, next_sequence_length=None, **kwargs)
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """transformers' `generate`, in an inference session sized for this call (or the active one)."""
+        if self.active_session is not None:
+            return super().generate(inputs, *args, **kwargs)
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if ids is None:
+            raise BadRequest("generate needs input ids")
+        with self.inference_session(max_length=self._max_length(ids.shape[1], kwargs)):
+            return super().generate(inputs, *args, **kwargs)
+
+    def _max_length(self, prompt_length: int, kwargs: dict) -> int:
+        config = kwargs.get("generation_config") or self.generation_config
+        new = kwargs.get("max_new_tokens", config.max_new_tokens)
+        if new is not None:
+            return prompt_length + new
+        return max(kwargs.get("max_length", config.max_length), prompt_length + 1)

@@ -1,0 +1,162 @@
+"""Exact failover: peers die (SIGKILL), freeze (SIGSTOP) or vanish entirely mid-generation.
+
+A swarm of its own: blocks [0:3) on one peer, [3:6) on two replicas. Each fault hits the replica the
+running generation uses, from inside `generate` (a streamer), between two tokens. The tokens must
+equal transformers' local `generate`, and the stall between two tokens must stay short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client.model import DistributedModelForCausalLM
+from swarm.errors import NoRoute
+from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
+
+pytestmark = pytest.mark.integration
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 3, 64, 200, 11]])
+NEW_TOKENS = 24
+FAULT_AFTER = 8  # tokens generated before the fault
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory, tiny_llama):
+    net = LocalSwarm(tmp_path_factory.mktemp("failover"))
+    try:
+        net.start_bootstrap()
+        net.start_peer("head-span", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, wait=False)
+        net.start_peer("replica-a", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
+        net.start_peer("replica-b", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
+        for name in ("head-span", "replica-a", "replica-b"):
+            net.wait_serving(net.procs[name])
+        yield net
+    finally:
+        for proc in net.procs.values():  # a test that failed half-way may leave a peer stopped
+            if proc.alive():
+                os.kill(proc.popen.pid, signal.SIGCONT)
+        net.stop_all()
+
+
+@pytest.fixture(scope="module")
+def remote(replicated, tiny_llama):
+    model = DistributedModelForCausalLM.from_pretrained(tiny_llama, replicated.bootstrap_addrs, model_id=MODEL_ID)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
+
+
+class Fault:
+    """A streamer that, after `FAULT_AFTER` tokens, applies `action` to the peer serving block 3."""
+
+    def __init__(self, net: LocalSwarm, model: DistributedModelForCausalLM, action):
+        self.net, self.model, self.action = net, model, action
+        self.times: list[float] = []
+        self.victim: str | None = None
+        self.session = None
+
+    def put(self, value) -> None:
+        self.times.append(time.monotonic())
+        if len(self.times) == FAULT_AFTER + 1:  # the first put is the prompt
+            self.session = self.model.active_session
+            peer = next(h.peer for h in self.session.route if h.span.start <= 3 < h.span.end)
+            self.victim = next(name for name, p in self.net.procs.items() if p.peer_id == peer)
+            self.action(self.net.procs[self.victim])
+
+    def end(self) -> None:
+        pass
+
+    def worst_gap(self) -> float:
+        return max(b - a for a, b in zip(self.times[1:], self.times[2:]))
+
+
+def generate(model, streamer):
+    return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                          streamer=streamer).tolist()
+
+
+def test_no_fault_run_matches_local(remote, expected):
+    assert remote.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist() == expected
+
+
+def test_frozen_peer_is_routed_around(replicated, remote, expected):
+    fault = Fault(replicated, remote, lambda proc: os.kill(proc.popen.pid, signal.SIGSTOP))
+    try:
+        assert generate(remote, fault) == expected
+    finally:
+        if fault.victim:
+            os.kill(replicated.procs[fault.victim].popen.pid, signal.SIGCONT)
+    [failover] = fault.session.failovers
+    assert failover.reason == "timeout" and failover.blocks == "[3:6)"
+    assert failover.stall_s < 3.0 and fault.worst_gap() < 3.0, (failover, fault.worst_gap())
+
+
+class Throttle:
+    """Makes a peer slow but alive: stopped for `stop_s`, then running for `run_s`, until `halt()`."""
+
+    def __init__(self, pid: int, stop_s: float = 0.2, run_s: float = 0.005):
+        self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for _ in range(2000):  # bounded: at most ~5 minutes
+            if self.done.is_set():
+                break
+            os.kill(self.pid, signal.SIGSTOP)
+            time.sleep(self.stop_s)
+            os.kill(self.pid, signal.SIGCONT)
+            time.sleep(self.run_s)
+
+    def halt(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def test_slow_peer_is_avoided_for_the_rest_of_the_session(replicated, remote, expected):
+    throttles = []
+
+    def slow_down(proc):
+        throttles.append(Throttle(proc.popen.pid))
+        throttles[-1].thread.start()
+
+    fault = Fault(replicated, remote, slow_down)
+    try:
+        assert generate(remote, fault) == expected
+    finally:
+        for t in throttles:
+            t.halt()
+    [failover] = fault.session.failovers
+    assert failover.reason == "slow" and failover.failed_peer == replicated.procs[fault.victim].peer_id
+    assert fault.victim not in {name for name, p in replicated.procs.items()
+                                if any(h.peer == p.peer_id for h in fault.session.route)}
+
+
+def test_killed_peer_is_replaced_exactly(replicated, remote, expected):
+    fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL))
+    assert generate(remote, fault) == expected
+    [failover] = fault.session.failovers
+    assert failover.reason == "connection_lost" and failover.failed_peer == replicated.procs[fault.victim].peer_id
+    assert failover.stall_s < 2.0 and fault.worst_gap() < 2.0, (failover, fault.worst_gap())
+
+
+def test_losing_the_last_replica_is_a_clear_error(replicated, remote):
+    fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL))
+    with pytest.raises(NoRoute, match=r"blocks \[3:6\)") as info:
+        generate(remote, fault)
+    assert time.monotonic() - fault.times[-1] < 5.0
+    assert info.value.missing == (3, 4, 5)
+    assert not replicated.procs["head-span"].popen.poll()  # the rest of the swarm is untouched
