@@ -1,29 +1,82 @@
-"""Subcommands of the client. Light at import: the work is imported when a command runs."""
+"""Subcommands of the client: generate, chat, status, demo. Light at import: the work (torch,
+transformers, the network) is imported when a command runs."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+DEFAULT_PROMPT = "Give three tips for staying healthy."
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    from client.config import ClientConfig
+    from swarm.config import add_options
+
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory: its config, tokenizer and head "
+                   "are read locally, its blocks run in the swarm (default: the prepared demo model)")
+    add_options(p, ClientConfig)
+
+
+def _generation_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="how many tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this probability mass")
+    p.add_argument("--top-k", type=int, default=None, help="sample among this many most likely tokens")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+
+
+def register_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text through a swarm, streamed to stdout",
+                       description="Continue PROMPT with a model whose blocks run in the swarm; text streams "
+                       "to stdout as it is generated, the route and speed go to stderr.")
+    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _client_options(p)
+    _generation_options(p, 64)
+    p.set_defaults(run=lambda args: _load("run_generate")(args))
+
+
+def register_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="an interactive chat with a model served by a swarm",
+                       description="Chat with the model's chat template; one inference session keeps the "
+                       "conversation's cache on the peers. An empty line or Ctrl-D ends the chat.")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--max-length", type=int, default=2048, help="tokens the whole conversation may use")
+    _client_options(p)
+    _generation_options(p, 256)
+    p.set_defaults(run=lambda args: _load("run_chat")(args))
+
+
+def register_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="who serves which blocks of a model, how fast, and what is uncovered",
+                       description="Read the swarm's announcements for one model, ping every online peer, "
+                       "and print peers, their blocks, state, throughput, cache left and latency.")
+    _client_options(p)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="the model's number of blocks, when no checkpoint is at hand (then give --model-id)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=lambda args: _load("run_status")(args))
 
 
 def register_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="prepare the demo model and generate text through three chained spans",
-        description="Prepare the offline demo model (once), split it into spans, and stream a "
-        "generated answer through them, reporting tokens per second.",
+        help="start a local swarm (bootstrap + peers) on the demo model and generate text through it",
+        description="Prepare the offline demo model (once), start a bootstrap node and peers as separate "
+        "processes on 127.0.0.1, stream a generated answer through them, report the route and tokens "
+        "per second, then stop every process.",
     )
-    p.add_argument("prompt", nargs="?", default="Give three tips for staying healthy.",
-                   help="what to ask the model")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the prepared demo model)")
-    p.add_argument("--spans", type=int, default=3, help="how many spans to split the blocks into")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="how many tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="what to ask the model")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the prepared demo model)")
+    p.add_argument("--peers", type=int, default=3, help="how many peers to start (the blocks are split among them)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.set_defaults(run=_run_demo)
+    _generation_options(p, 96)
+    p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args))
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    from client.local_demo import run_demo
+def _load(name: str, module: str = "client.cli"):
+    import importlib
 
-    return run_demo(args)
+    return getattr(importlib.import_module(module), name)

@@ -1,6 +1,7 @@
-"""A real swarm on 127.0.0.1 for tests: a bootstrap process and peer processes started by the test.
+"""A real swarm on this machine: a bootstrap process and peer processes, for the demo, tests and
+benchmarks.
 
-Every process is started by us and stopped by PID; every wait is a predicate with a deadline.
+Every process is started here and stopped by PID; every wait is a predicate with a deadline.
 Peer identities are created here, so each peer's id is known before it starts. Logs go to files in
 the swarm's directory and are shown when a wait fails.
 """
@@ -16,17 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.identity import load_or_create
-
-REPO = Path(__file__).resolve().parent.parent
-
-# The shared integration swarm: three peers of this model on a tiny llama checkpoint.
-MODEL_ID = "tiny-llama"
-CACHE_TOKENS = 1024
-IDLE_TIMEOUT = 4
-MAX_SESSIONS = 32
-PEER_OPTIONS = ("--model-id", MODEL_ID, "--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2",
-                "--record-ttl", "8", "--idle-timeout", str(IDLE_TIMEOUT), "--max-sessions", str(MAX_SESSIONS))
-
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1, diagnostics=lambda: ""):
     deadline = time.monotonic() + timeout
@@ -82,7 +72,7 @@ class LocalSwarm:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_HOME": str(self.root / "home")}
         with open(log, "wb") as out:
             popen = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                     cwd=REPO, env=env)
+                                     env=env)
         proc = Proc(name, popen, log)
         self.procs[name] = proc
         return proc
@@ -135,3 +125,9 @@ class LocalSwarm:
     def stop_all(self) -> None:
         for name in reversed(list(self.procs)):
             self.stop(name)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()

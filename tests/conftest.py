@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,3 +26,15 @@ def tiny_checkpoint(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The prepared demo checkpoint: $SWARM_TEST_DEMO_DIR, else <repo>/.cache/demo-model.
+
+    Repo-local by default (`.cache/` is gitignored) so CI caches and later runs skip the conversion.
+    """
+    from swarm.demo_model import prepare_demo_model
+
+    directory = Path(os.environ.get("SWARM_TEST_DEMO_DIR") or REPO / ".cache" / "demo-model")
+    return prepare_demo_model(directory)

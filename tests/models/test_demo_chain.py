@@ -3,14 +3,11 @@ transformers' own `generate` does."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.local_chain import LocalChain
-from client.local_demo import stream_generate
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
 
@@ -37,13 +34,3 @@ def test_three_spans_of_smollm2_match_transformers_generate(demo_model_dir):
     assert ours == expected.tolist(), (tokenizer.decode(ours), tokenizer.decode(expected))
     assert "Paris" in tokenizer.decode(ours)
 
-
-def test_demo_streams_text(demo_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
-    chain = LocalChain.from_path(demo_model_dir, 3)
-    out = io.StringIO()
-    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
-    stats = stream_generate(chain, tokenizer, ids, max_new_tokens=8, out=out)
-    assert stats["tokens"] > 0 and out.getvalue() == stats["text"]
-    assert "Paris" in out.getvalue()
-    assert stats["tokens_per_s"] > 0

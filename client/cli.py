@@ -1,0 +1,189 @@
+"""What `swarm generate`, `swarm chat` and `swarm status` do (registered in `client.commands`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from client.config import ClientConfig
+from swarm.config import from_args
+from swarm.errors import BadRequest, ConfigError
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    from swarm.demo_model import default_demo_dir, prepare_demo_model
+
+    return prepare_demo_model(default_demo_dir(args.cache_home))
+
+
+def generation_kwargs(args: argparse.Namespace, tokenizer) -> dict:
+    """transformers `generate` arguments from the command line: greedy unless a temperature is given."""
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be positive")
+    kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    stop = [i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                        tokenizer.convert_tokens_to_ids("<end_of_turn>")) if isinstance(i, int)
+            and i != tokenizer.unk_token_id]
+    if stop:
+        kwargs["eos_token_id"] = sorted(set(stop))
+    if args.temperature is None or args.temperature == 0:
+        return {**kwargs, "do_sample": False}
+    if not args.temperature > 0:
+        raise ConfigError("--temperature must be positive")
+    if args.seed is not None:
+        import torch
+
+        torch.manual_seed(args.seed)
+    sampling = dict(do_sample=True, temperature=args.temperature)
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    if args.top_k is not None:
+        sampling["top_k"] = args.top_k
+    return {**kwargs, **sampling}
+
+
+def open_model(args: argparse.Namespace, path: Path):
+    from client.model import DistributedModelForCausalLM
+
+    config = from_args(ClientConfig, args)
+    return DistributedModelForCausalLM.from_pretrained(path, config=config)
+
+
+class TimedStreamer:
+    """A transformers streamer writing text as it comes and timing every token."""
+
+    def __init__(self, tokenizer, out=sys.stdout, skip_prompt: bool = True):
+        from transformers import TextStreamer
+
+        self.times: list[float] = []
+        self._prompt_pending = skip_prompt  # the first call carries the prompt
+        self._text = TextStreamer(tokenizer, skip_prompt=skip_prompt, skip_special_tokens=True)
+        self._text.on_finalized_text = self._write
+        self.out, self.text = out, ""
+
+    def _write(self, text: str, stream_end: bool = False) -> None:
+        self.out.write(text)
+        self.out.flush()
+        self.text += text
+
+    def put(self, value) -> None:
+        if self._prompt_pending:
+            self._prompt_pending = False
+        else:
+            self.times.append(time.perf_counter())
+        self._text.put(value)
+
+    def end(self) -> None:
+        self._text.end()
+
+    def stats(self, started: float) -> dict:
+        tokens = len(self.times)
+        decode = self.times[-1] - self.times[0] if tokens > 1 else 0.0
+        return {"tokens": tokens, "ttft_s": self.times[0] - started if tokens else None,
+                "tokens_per_s": (tokens - 1) / decode if decode > 0 else 0.0}
+
+
+def describe_route(hops) -> str:
+    return " -> ".join(["head", *(str(h) for h in hops), "head"])
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    path = model_path(args)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with open_model(args, path) as model:
+        text = args.prompt
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        streamer = TimedStreamer(tokenizer)
+        started = time.perf_counter()
+        print(f"[generate] route: {describe_route(model.route())}", file=sys.stderr)
+        model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer,
+                       **generation_kwargs(args, tokenizer))
+        stats = streamer.stats(started)
+    print(file=sys.stderr)
+    print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    path = model_path(args)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        raise ConfigError(f"{path} has no chat template: use `swarm generate` instead")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    with open_model(args, path) as model, model.inference_session(max_length=args.max_length) as session:
+        print(f"[chat] route: {describe_route(model.route())}; an empty line ends the chat", file=sys.stderr)
+        for _turn in range(10_000):
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            messages.append({"role": "user", "content": line})
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+            if ids.shape[1] + args.max_new_tokens > args.max_length:
+                print(f"[chat] the conversation is at {ids.shape[1]} tokens of {args.max_length}: ending it",
+                      file=sys.stderr)
+                break
+            streamer = TimedStreamer(tokenizer)
+            try:
+                out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer,
+                                     **generation_kwargs(args, tokenizer))
+            except BadRequest as e:
+                print(f"[chat] {e}", file=sys.stderr)
+                break
+            print()
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+        failovers = len(session.failovers)
+    if failovers:
+        print(f"[chat] {failovers} failovers during the chat", file=sys.stderr)
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from client.connection import SwarmConnection
+    from swarm.checkpoint import Checkpoint
+    from swarm.records import default_model_id
+
+    config = from_args(ClientConfig, args)
+    if args.num_blocks is not None:
+        if not config.model_id:
+            raise ConfigError("--num-blocks needs --model-id")
+        model_id, num_blocks = config.model_id, args.num_blocks
+    else:
+        path = model_path(args)
+        model_id, num_blocks = config.model_id or default_model_id(path), Checkpoint(path).num_blocks
+    connection = SwarmConnection(model_id, num_blocks, config)
+    try:
+        peers, uncovered = connection.run(connection.client.status(), timeout=60)
+    finally:
+        connection.close()
+    if args.json:
+        print(json.dumps({"model": model_id, "num_blocks": num_blocks, "uncovered": uncovered, "peers": [
+            {"peer": p.peer, "start": p.span.start, "end": p.span.end, "state": p.state, "throughput": p.throughput,
+             "cache_tokens_left": p.cache_tokens_left, "version": p.version,
+             "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2)} for p in peers]}, indent=2))
+        return 0
+    online = sum(p.state == "online" for p in peers)
+    print(f"model {model_id}: {num_blocks} blocks, {len(peers)} peers announced, {online} online")
+    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'TOKENS/S':>9} {'CACHE LEFT':>11} {'LATENCY':>9}  VERSION")
+    for p in peers:
+        latency = "-" if p.latency_ms is None else f"{p.latency_ms:.1f} ms"
+        print(f"{p.peer:<54} {str(p.span):<10} {p.state:<8} {p.throughput:>9.1f} {p.cache_tokens_left:>11} "
+              f"{latency:>9}  {p.version}")
+    print("uncovered blocks: " + (", ".join(map(str, uncovered)) if uncovered else "none"))
+    return 0

@@ -1,0 +1,81 @@
+"""`swarm demo`: a real local swarm on the demo model, and an answer generated through it.
+
+A bootstrap node and N peers start as separate processes on 127.0.0.1 (each peer serves an equal
+share of the blocks, so they can start at the same time), the SDK generates a streamed answer through
+them, and every process is stopped by PID at the end, whatever happened. Logs of the swarm's
+processes stay in a temporary directory, shown if something fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from client.cli import TimedStreamer, describe_route, generation_kwargs, model_path
+from swarm.checkpoint import Checkpoint
+from swarm.errors import ConfigError
+from swarm.launch import LocalSwarm
+from swarm.span import split_evenly
+
+DEMO_CACHE_TOKENS = 4096
+
+
+def log(message: str) -> None:
+    print(f"[demo] {message}", file=sys.stderr, flush=True)
+
+
+def start_swarm(net: LocalSwarm, path: Path, peers: int, dtype: str, model_id: str) -> None:
+    started = time.monotonic()
+    net.start_bootstrap()
+    spans = split_evenly(Checkpoint(path).num_blocks, peers)
+    for i, span in enumerate(spans):
+        net.start_peer(f"peer{i}", path, "--blocks", f"{span.start}:{span.end}", "--model-id", model_id,
+                       "--dtype", dtype, "--cache-tokens", str(DEMO_CACHE_TOKENS), wait=False)
+    for i in range(len(spans)):
+        net.wait_serving(net.procs[f"peer{i}"], timeout=300)
+    log(f"swarm up in {time.monotonic() - started:.1f} s: a bootstrap and {peers} peers serving "
+        f"{', '.join(str(s) for s in spans)}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from client.model import DistributedModelForCausalLM
+    from swarm.records import default_model_id
+
+    path = model_path(args)
+    if args.peers < 1:
+        raise ConfigError("--peers must be positive")
+    model_id = default_model_id(path)
+    with tempfile.TemporaryDirectory(prefix="swarm-demo-") as root, LocalSwarm(Path(root)) as net:
+        try:
+            start_swarm(net, path, args.peers, args.dtype, model_id)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            with DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=model_id,
+                                                             dtype=args.dtype) as model:
+                text = args.prompt
+                if not args.raw and tokenizer.chat_template:
+                    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                                         add_generation_prompt=True)
+                ids = tokenizer(text, return_tensors="pt").input_ids
+                log(f"route: {describe_route(model.route())}")
+                print(f"> {args.prompt}", flush=True)
+                streamer = TimedStreamer(tokenizer)
+                started = time.perf_counter()
+                model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer,
+                               **generation_kwargs(args, tokenizer))
+                stats = streamer.stats(started)
+            print(flush=True)
+            ttft = "-" if stats["ttft_s"] is None else f"{stats['ttft_s'] * 1000:.0f} ms"
+            log(f"{stats['tokens']} tokens through {args.peers} peers; first token after {ttft}; "
+                f"decode {stats['tokens_per_s']:.1f} tokens/s")
+        except BaseException:
+            for proc in net.procs.values():
+                log(f"--- last lines of {proc.name}'s log ---\n" + "\n".join(proc.text().splitlines()[-15:]))
+            raise
+        finally:
+            log("stopping the swarm")
+    return 0

@@ -1,0 +1,16 @@
+"""Test settings of the shared integration swarm; the processes themselves are `swarm.launch`'s."""
+
+from __future__ import annotations
+
+from swarm.launch import LocalSwarm, Proc, pid_alive, wait_until
+
+__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "MODEL_ID", "CACHE_TOKENS", "IDLE_TIMEOUT",
+           "MAX_SESSIONS", "PEER_OPTIONS"]
+
+# The shared integration swarm: three peers of this model on a tiny llama checkpoint.
+MODEL_ID = "tiny-llama"
+CACHE_TOKENS = 1024
+IDLE_TIMEOUT = 4
+MAX_SESSIONS = 32
+PEER_OPTIONS = ("--model-id", MODEL_ID, "--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2",
+                "--record-ttl", "8", "--idle-timeout", str(IDLE_TIMEOUT), "--max-sessions", str(MAX_SESSIONS))
