@@ -22,7 +22,13 @@ class LoopThread:
         return self
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 120.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        """The coroutine's result; on a timeout or an interrupt (Ctrl-C) it is cancelled, not left running."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
     def __exit__(self, *exc) -> None:
         async def cancel_leftovers() -> None:  # background tasks of libraries, e.g. a pending timer

@@ -74,7 +74,13 @@ class RemoteSession:
         keep = self._common_prefix(input_ids, attention_mask)
         keep = min(keep, input_ids.shape[1] - 1)  # at least one token runs, to give logits
         hidden = self.model.head.embed(input_ids[:, keep:])
-        out = self.model.connection.run(self.session.step(hidden, keep, attention_mask))
+        try:
+            out = self.model.connection.run(self.session.step(hidden, keep, attention_mask))
+        except BaseException:
+            if self.tokens is not None:  # the session now holds only the common prefix
+                self.tokens = self.tokens[:, :min(keep, self.session.length)]
+                self.mask = None if self.mask is None else self.mask[:, :self.tokens.shape[1]]
+            raise
         self.tokens, self.mask = input_ids.clone(), None if attention_mask is None else attention_mask.clone()
         return self.model.head.logits(out)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from swarm import wire
-from swarm.errors import ConnectionLost, ProtocolError, error_from_code
+from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, error_from_code
 from swarm.span import Span
 from swarm.transport import Node, Stream
 
@@ -33,6 +33,8 @@ async def _exchange(stream: Stream, msg: wire.Message, timeout: float) -> wire.M
         raise ConnectionLost(f"peer {stream.remote} closed the stream ({type(e).__name__})") from None
     try:
         reply = await asyncio.wait_for(wire.read_message(stream.reader, MAX_REPLY_BYTES), timeout)
+    except asyncio.TimeoutError:  # before OSError: on 3.11 it is the builtin TimeoutError, an OSError
+        raise StepTimeout(f"peer {stream.remote} sent no reply within {timeout:.1f} s") from None
     except (EOFError, ConnectionError, OSError):
         raise ConnectionLost(f"peer {stream.remote} closed the stream without a reply") from None
     _raise_if_error(reply)

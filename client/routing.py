@@ -79,6 +79,9 @@ class Measurements:
         self.of(peer).delay_ms.add(rtt_ms)
 
     def step(self, peer: str, rtt_ms: float, compute_ms: float, tokens: int, blocks: int) -> None:
+        """A step's round trip and the compute time the peer reported (clamped: a peer cannot make itself
+        look faster than the round trip we measured, or negative)."""
+        compute_ms = min(max(compute_ms, 0.0), rtt_ms) if math.isfinite(compute_ms) else rtt_ms
         figures = self.of(peer)
         figures.delay_ms.add(max(rtt_ms - compute_ms, 0.0))
         if tokens == 1 and blocks > 0:  # decode steps define per-block speed; prefill tokens are cheaper
@@ -87,6 +90,11 @@ class Measurements:
     def cache(self, peer: str, tokens_left: int) -> None:
         figures = self.of(peer)
         figures.cache_left, figures.cache_seen = tokens_left, self.clock()
+
+    def forget_cache(self, peer: str) -> None:
+        """The figure is stale (our session there closed): use the announcement again."""
+        if peer in self.peers:
+            self.peers[peer].cache_seen = -math.inf
 
     def cache_left(self, offer: Offer) -> int:
         figures = self.peers.get(offer.peer)

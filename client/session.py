@@ -35,6 +35,8 @@ from swarm.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 
+IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
+
 
 class SlowDetector:
     """Flags a peer whose decode steps became slow: the median of its last `steps` decode steps is above
@@ -69,6 +71,8 @@ class Link:
     session: PeerSession | None = None
     detector: SlowDetector = field(default_factory=SlowDetector)
     slow: bool = False
+    used_at: float = field(default_factory=time.monotonic)  # last step sent or session opened
+    reopened: bool = False  # already reopened once on the same peer (its session had expired)
 
 
 @dataclass(frozen=True)
@@ -114,14 +118,17 @@ class InferenceSession:
         links, self.links = self.links, []
         await asyncio.gather(*(self._close_link(link) for link in links), *self._closing)
 
-    @staticmethod
-    async def _close_link(link: Link) -> None:
+    async def _close_link(self, link: Link) -> None:
         session, link.session = link.session, None
         if session is not None:
-            try:
-                await asyncio.wait_for(session.close(), 2.0)
-            except (asyncio.TimeoutError, SwarmError, OSError):
-                pass  # a dead or frozen peer: its cache is reclaimed when it notices the stream is gone
+            await self._close_session(link.hop.peer, session)
+
+    async def _close_session(self, peer: str, session: PeerSession) -> None:
+        self.client.measurements.forget_cache(peer)  # our reservation there ends
+        try:
+            await asyncio.wait_for(session.close(), 2.0)
+        except (asyncio.TimeoutError, SwarmError, OSError):
+            pass  # a dead or frozen peer: its cache is reclaimed when it notices the stream is gone
 
     # ---- steps ----
 
@@ -150,6 +157,8 @@ class InferenceSession:
             logger.debug("route: %s", " -> ".join(str(h) for h in self.route))
         for start in self.history:
             self.history[start] = self.history[start][:, :position]
+        # until this step succeeds, the session holds positions [0, position): a failed step leaves no trace
+        self.length, self.mask = position, None if self.mask is None else self.mask[:, :position]
         x, i = hidden.to(self.dtype), 0
         while i < len(self.links):
             out = await self._through(i, x, position, mask)
@@ -174,9 +183,12 @@ class InferenceSession:
     async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Output of link `i` for `x`, replacing the link (and replaying) until a peer succeeds."""
         began = time.perf_counter()
-        failure: tuple[str, str] | None = None
+        failure: tuple[str, str, object] | None = None
+        new_hops: tuple[str, ...] = ()
         retries = 0
         while True:
+            if self.closed:
+                raise BadRequest("the inference session was closed during a step")
             link = self.links[i]
             if link.slow:
                 await self._avoid_slow(i)
@@ -189,7 +201,14 @@ class InferenceSession:
                 if not retryable(e) and not (isinstance(e, BadRequest) and link.session is None):
                     raise  # our own request is wrong: another peer would refuse it too
                 reason = getattr(e, "code", "timeout")
-                failure = failure or (link.hop.peer, reason)
+                if self._expired(link, reason):
+                    # the peer reclaimed our idle session (or dropped its stream): reopen there once, no ban
+                    logger.info("session at peer %s for blocks %s expired (%s): reopening it there",
+                                describe_peer(link.hop.peer), link.hop.span, reason)
+                    link.reopened = True
+                    self._close_in_background(link)
+                    continue
+                failure = failure or (link.hop.peer, reason, link.hop.span)
                 retries += 1
                 self.client.ban(link.hop.peer, reason)
                 logger.warning("blocks %s at peer %s failed (%s): rerouting", link.hop.span,
@@ -198,38 +217,51 @@ class InferenceSession:
                 if retries > self.config.max_retries:
                     raise NoRoute(f"blocks {link.hop.span} of {self.client.model_id} failed on {retries} peers in a "
                                   f"row; last error: {reason}") from None
-                await self._replace(i, exclude=self.avoid)
+                new_hops = await self._replace(i, exclude=self.avoid)
                 continue
+            link.reopened = False  # a later idle pause may reopen it again
             if failure is not None:
-                new = tuple(str(lk.hop) for lk in self.links[i:i + 1])
-                self.failovers.append(Failover(str(link.hop.span), failure[0], failure[1], new,
+                self.failovers.append(Failover(str(failure[2]), failure[0], failure[1], new_hops,
                                                time.perf_counter() - began))
             return out
 
-    async def _replace(self, i: int, exclude: set[str]) -> None:
+    def _expired(self, link: Link, reason: str) -> bool:
+        """Whether a failure is the peer ending a session we left idle, rather than the peer failing."""
+        if link.reopened or link.session is None:
+            return False
+        idle = time.monotonic() - link.used_at
+        return reason == "unknown_session" or (reason == "connection_lost" and idle > IDLE_REOPEN_S)
+
+    async def _replace(self, i: int, exclude: set[str]) -> tuple[str, ...]:
+        """Put a new chain in place of link `i` (its sessions open at first use); the new hops, as text."""
         span = self.links[i].hop.span
         hops = await self.client.route(span, cache_tokens=self.batch * self.max_length, exclude=frozenset(exclude))
+        if self.closed:
+            raise BadRequest("the inference session was closed during a step")
         self.links[i:i + 1] = [Link(h) for h in hops]
         # inputs at boundaries inside the span are rebuilt by replay, hop by hop
         self.history = {b: h for b, h in self.history.items() if not span.start < b < span.end}
         logger.info("blocks %s now at %s", span, ", ".join(str(h) for h in hops))
+        return tuple(str(h) for h in hops)
 
     async def _avoid_slow(self, i: int) -> None:
         link = self.links[i]
         link.slow = False
         self.avoid.add(link.hop.peer)
         try:
-            await self._replace(i, exclude=self.avoid)
+            new_hops = await self._replace(i, exclude=self.avoid)
         except NoRoute:
             self.avoid.discard(link.hop.peer)  # no alternative: keep the slow peer
             link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
             return
-        self.failovers.append(Failover(str(link.hop.span), link.hop.peer, "slow",
-                                       tuple(str(lk.hop) for lk in self.links[i:i + 1]), 0.0))
+        self.failovers.append(Failover(str(link.hop.span), link.hop.peer, "slow", new_hops, 0.0))
         self._close_in_background(link)
 
     def _close_in_background(self, link: Link) -> None:
-        task = asyncio.create_task(self._close_link(link))
+        session, link.session = link.session, None  # detached now: the next attempt opens a new one
+        if session is None:
+            return
+        task = asyncio.create_task(self._close_session(link.hop.peer, session))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -237,9 +269,11 @@ class InferenceSession:
         """Open a session on the link's peer and replay the hop's history into it."""
         hop = link.hop
         link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
+        link.used_at = time.monotonic()
+        # the session's own timeout bounds its steps; each step's real deadline is the `wait_for` in `_step`
         link.session = await asyncio.wait_for(
             PeerSession.open(self.client.node, hop.peer, self.client.model_id, hop.span, max_length=self.max_length,
-                             batch=self.batch, dtype=self.dtype, timeout=self.config.open_timeout),
+                             batch=self.batch, dtype=self.dtype, timeout=self.config.step_timeout),
             self.config.open_timeout)
         self.client.measurements.cache(hop.peer, int(link.session.opened.get("cache_tokens_left", 0)))
         if position == 0:
@@ -253,8 +287,10 @@ class InferenceSession:
 
     async def _step(self, link: Link, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
         hop, tokens = link.hop, x.shape[1]
+        link.used_at = time.monotonic()
         started = time.perf_counter()
-        out = await asyncio.wait_for(link.session.step(x, position, mask), self.client.deadline(hop, tokens))
+        out = await asyncio.wait_for(link.session.step(x, position, mask),
+                                     self.client.deadline(hop, x.shape[0] * tokens))
         ms = (time.perf_counter() - started) * 1e3
         self.client.measurements.step(hop.peer, ms, link.session.last_compute_ms, tokens, len(hop.span))
         self.client.bans.succeeded(hop.peer)

@@ -154,7 +154,6 @@ class SwarmClient:
         retries = 0
         while i < len(hops):
             hop = hops[i]
-            started = time.perf_counter()
             try:
                 x_next = await asyncio.wait_for(
                     peer_client.forward(self.node, hop.peer, self.model_id, hop.span, x, attention_mask,
@@ -169,7 +168,6 @@ class SwarmClient:
                     raise NoRoute(f"blocks {hop.span} of {self.model_id} failed on {retries} peers; last: {e}") from None
                 hops[i:i + 1] = await self.route(hop.span)
                 continue
-            self.measurements.ping(hop.peer, (time.perf_counter() - started) * 1e3)
             self.bans.succeeded(hop.peer)
             x, i = x_next, i + 1
         return x

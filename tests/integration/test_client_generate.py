@@ -3,13 +3,15 @@ through the swarm equals the same model's `generate` run locally by transformers
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from swarm.errors import BadRequest
-from swarm_harness import MODEL_ID
+from swarm_harness import IDLE_TIMEOUT, MODEL_ID
 
 pytestmark = pytest.mark.integration
 
@@ -80,3 +82,19 @@ def test_session_steps_and_rollback(remote, local):
         assert out.shape[1] == 12 and session.position == 11
         with pytest.raises(BadRequest):
             session.step(torch.zeros(1, 30, dtype=torch.long))  # beyond max_length
+
+
+def test_a_session_reclaimed_while_idle_is_reopened_on_the_same_peers(remote, local):
+    """Peers reclaim a silent session's cache after IDLE_TIMEOUT; the next step reopens it on the same
+    peers, replays, and bans nobody (a chat that pauses must not lose its peers)."""
+    with torch.inference_mode():
+        expected = local(PROMPT).logits
+    client = remote.connection.client
+    with remote.inference_session(max_length=32) as session:
+        first = session.step(PROMPT[:, :6])
+        route = [str(h) for h in session.route]
+        time.sleep(IDLE_TIMEOUT + 1.5)
+        second = session.step(PROMPT[:, 6:])
+        assert torch.allclose(torch.cat([first, second], 1), expected, atol=1e-4)
+        assert [str(h) for h in session.route] == route and session.failovers == []
+    assert not any(client.bans.banned(h.peer) for h in remote.route())

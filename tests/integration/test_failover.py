@@ -159,4 +159,5 @@ def test_losing_the_last_replica_is_a_clear_error(replicated, remote):
         generate(remote, fault)
     assert time.monotonic() - fault.times[-1] < 5.0
     assert info.value.missing == (3, 4, 5)
+    assert fault.session.position == fault.session.session.length  # a failed step leaves no trace
     assert not replicated.procs["head-span"].popen.poll()  # the rest of the swarm is untouched

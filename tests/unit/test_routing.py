@@ -198,3 +198,22 @@ def test_slow_detector_floor_ignores_jitter_on_a_tiny_baseline():
     assert not any(detector.observe(ms, 1) for ms in [5, 20, 51])  # 51 is not above 1 + 50
     assert [detector.observe(52, 1) for _ in range(2)] == [False, True]  # the window's median passes 51
     assert warmed(ms=1.0, factor=4, steps=1, floor_ms=0).observe(5, 1)  # without a floor, jitter would count
+
+
+def test_reported_compute_is_clamped_to_the_measured_round_trip():
+    m = Measurements()
+    m.step("liar", rtt_ms=10.0, compute_ms=-5.0, tokens=1, blocks=2)
+    assert m.peers["liar"].block_ms.value == 0.0 and m.delay_ms("liar") == 10.0
+    m.step("nan", rtt_ms=10.0, compute_ms=float("nan"), tokens=1, blocks=2)
+    assert m.peers["nan"].block_ms.value == 5.0 and m.delay_ms("nan") == 0.0
+    m.step("boast", rtt_ms=10.0, compute_ms=500.0, tokens=1, blocks=1)
+    assert m.peers["boast"].block_ms.value == 10.0
+
+
+def test_forgotten_cache_figure_falls_back_to_the_announcement():
+    m = Measurements(clock=Clock())
+    offer = Offer("a", Span(0, 2), 10.0, 900)
+    m.cache("a", 100)
+    assert m.cache_left(offer) == 100
+    m.forget_cache("a")
+    assert m.cache_left(offer) == 900
