@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.config import option
-from swarm.errors import ConfigError
+from swarm.config import check_dtype, check_positive, option
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,5 @@ class ClientConfig:
     def __post_init__(self) -> None:
         positive = ("refresh_interval", "ping_timeout", "open_timeout", "step_timeout", "min_deadline",
                     "deadline_factor", "ban_seconds", "slow_factor", "max_retries", "slow_steps")
-        bad = [f"--{n.replace('_', '-')}" for n in positive if not getattr(self, n) > 0]
-        if bad:
-            raise ConfigError(f"{', '.join(bad)} must be positive")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        check_positive(self, positive)
+        check_dtype(self.dtype)

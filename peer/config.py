@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.config import option
+from swarm.config import check_dtype, check_positive, option
 from swarm.errors import ConfigError
 from swarm.span import Span
 
@@ -53,15 +53,10 @@ class PeerConfig:
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
                     "idle_timeout", "max_queue", "announce_interval", "record_ttl")
-        bad = [f"--{n.replace('_', '-')}" for n in positive if not getattr(self, n) > 0]
-        if self.num_blocks is not None and self.num_blocks < 1:
-            bad.append("--num-blocks")
-        if self.memory_budget is not None and self.memory_budget < 1:
-            bad.append("--memory-budget")
-        if bad:
-            raise ConfigError(f"{', '.join(bad)} must be positive")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget")
+                    if getattr(self, n) is not None and getattr(self, n) < 1]
+        check_positive(self, positive, tuple(optional))
+        check_dtype(self.dtype)
         if self.announce_interval >= self.record_ttl:
             raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
                               "announcements")

@@ -23,6 +23,22 @@ def option(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[st
     return dataclasses.field(default=default, metadata=meta, **kw)
 
 
+def check_positive(config: Any, names: tuple[str, ...], extra: tuple[str, ...] = ()) -> None:
+    """`ConfigError` naming every option in `names` whose value is not positive (plus `extra` ones)."""
+    from swarm.errors import ConfigError
+
+    bad = [f"--{n.replace('_', '-')}" for n in names if not getattr(config, n) > 0] + list(extra)
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} must be positive")
+
+
+def check_dtype(dtype: str) -> None:
+    from swarm.errors import ConfigError
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {dtype!r}")
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
