@@ -92,23 +92,28 @@ def describe_route(hops) -> str:
     return " -> ".join(["head", *(str(h) for h in hops), "head"])
 
 
+def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat: bool) -> dict:
+    """Generate a continuation of `prompt` (wrapped in the chat template if `chat`), streamed to stdout;
+    returns the streamer's timing figures."""
+    text = prompt
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    streamer = TimedStreamer(tokenizer)
+    started = time.perf_counter()
+    model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer, **generation_kwargs(args, tokenizer))
+    return streamer.stats(started)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     path = model_path(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with open_model(args, path) as model:
-        text = args.prompt
-        if args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        streamer = TimedStreamer(tokenizer)
-        started = time.perf_counter()
         print(f"[generate] route: {describe_route(model.route())}", file=sys.stderr)
-        model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer,
-                       **generation_kwargs(args, tokenizer))
-        stats = streamer.stats(started)
+        stats = stream_answer(model, tokenizer, args.prompt, args, chat=args.chat)
     print(file=sys.stderr)
     print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     return 0

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from client.cli import TimedStreamer, describe_route, generation_kwargs, model_path
+from client.cli import describe_route, model_path, stream_answer
 from swarm.checkpoint import Checkpoint
 from swarm.errors import ConfigError
 from swarm.launch import LocalSwarm
@@ -56,18 +56,9 @@ def run_demo(args: argparse.Namespace) -> int:
             tokenizer = AutoTokenizer.from_pretrained(path)
             with DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=model_id,
                                                              dtype=args.dtype) as model:
-                text = args.prompt
-                if not args.raw and tokenizer.chat_template:
-                    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                                         add_generation_prompt=True)
-                ids = tokenizer(text, return_tensors="pt").input_ids
                 log(f"route: {describe_route(model.route())}")
                 print(f"> {args.prompt}", flush=True)
-                streamer = TimedStreamer(tokenizer)
-                started = time.perf_counter()
-                model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer,
-                               **generation_kwargs(args, tokenizer))
-                stats = streamer.stats(started)
+                stats = stream_answer(model, tokenizer, args.prompt, args, chat=not args.raw)
             print(flush=True)
             ttft = "-" if stats["ttft_s"] is None else f"{stats['ttft_s'] * 1000:.0f} ms"
             log(f"{stats['tokens']} tokens through {args.peers} peers; first token after {ttft}; "

@@ -88,14 +88,9 @@ class RemoteSession:
         if self.tokens is None or self.tokens.shape[0] != ids.shape[0]:
             return 0
         n = min(self.tokens.shape[1], ids.shape[1])
-        same = (self.tokens[:, :n] == ids[:, :n]).all(0)
-        if (mask is None) != (self.mask is None):
-            if mask is not None:
-                same &= mask[:, :n].bool().all(0)
-            else:
-                same &= self.mask[:, :n].bool().all(0)
-        elif mask is not None:
-            same &= (self.mask[:, :n] == mask[:, :n]).all(0)
+        old = torch.ones_like(self.tokens, dtype=torch.bool) if self.mask is None else self.mask.bool()
+        new = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        same = (self.tokens[:, :n] == ids[:, :n]).all(0) & (old[:, :n] == new[:, :n]).all(0)
         differ = (~same).nonzero()
         return int(differ[0]) if len(differ) else n
 
