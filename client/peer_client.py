@@ -1,44 +1,25 @@
 """Talking to one peer: open a session and step it, a stateless forward, an info call.
 
-The lowest layer of the client SDK. Every reply is checked: an ERROR message becomes its typed
-error (so callers can tell "reroute" from "give up"), and an output whose step id or shape does not
-match the request is a `ProtocolError`, never silently used.
+The lowest layer of the client SDK. Every reply is checked (`swarm.calls.exchange`): an ERROR
+message becomes its typed error (so callers can tell "reroute" from "give up"), and an output whose
+step id or shape does not match the request is a `ProtocolError`, never silently used. The info call
+is `swarm.calls.info`, re-exported here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from typing import Any
 
 import torch
 
 from swarm import wire
-from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, error_from_code
+from swarm.calls import exchange, info
+from swarm.errors import ProtocolError
 from swarm.span import Span
 from swarm.transport import Node, Stream
 
-MAX_REPLY_BYTES = 1 << 30
-
-
-def _raise_if_error(msg: wire.Message) -> None:
-    if msg.type == wire.ERROR:
-        raise error_from_code(str(msg.fields.get("code")), str(msg.fields.get("message")))
-
-
-async def _exchange(stream: Stream, msg: wire.Message, timeout: float) -> wire.Message:
-    try:
-        await wire.write_message(stream.writer, msg)
-    except (ConnectionError, OSError) as e:
-        raise ConnectionLost(f"peer {stream.remote} closed the stream ({type(e).__name__})") from None
-    try:
-        reply = await asyncio.wait_for(wire.read_message(stream.reader, MAX_REPLY_BYTES), timeout)
-    except asyncio.TimeoutError:  # before OSError: on 3.11 it is the builtin TimeoutError, an OSError
-        raise StepTimeout(f"peer {stream.remote} sent no reply within {timeout:.1f} s") from None
-    except (EOFError, ConnectionError, OSError):
-        raise ConnectionLost(f"peer {stream.remote} closed the stream without a reply") from None
-    _raise_if_error(reply)
-    return reply
+__all__ = ["PeerSession", "forward", "info"]
 
 
 def _tensors(hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[wire.Blob, ...]:
@@ -60,7 +41,7 @@ class PeerSession:
                    dtype: torch.dtype = torch.float32, timeout: float = 30.0) -> PeerSession:
         stream = await node.open(peer, wire.SESSION_PROTOCOL)
         try:
-            reply = await _exchange(stream, wire.Message(wire.OPEN, {
+            reply = await exchange(stream, wire.Message(wire.OPEN, {
                 "model": model, "start": span.start, "end": span.end, "max_length": max_length, "batch": batch,
                 "dtype": str(dtype).removeprefix("torch.")}), timeout)
             if reply.type != wire.OPENED or not isinstance(reply.fields.get("session"), str):
@@ -73,8 +54,8 @@ class PeerSession:
     async def step(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run `hidden` [batch, tokens, hidden] at `position` (below the cache length: roll back first)."""
         step = next(self._steps)
-        reply = await _exchange(self.stream, wire.Message(wire.STEP, {"step": step, "position": position},
-                                                          _tensors(hidden.to(self.dtype), attention_mask)), self.timeout)
+        reply = await exchange(self.stream, wire.Message(wire.STEP, {"step": step, "position": position},
+                                                         _tensors(hidden.to(self.dtype), attention_mask)), self.timeout)
         if reply.type != wire.OUTPUT or reply.fields.get("step") != step or len(reply.tensors) != 1:
             raise ProtocolError(f"peer {self.stream.remote} answered step {step} with {reply.type!r} "
                                 f"for step {reply.fields.get('step')!r}")
@@ -103,9 +84,9 @@ async def forward(node: Node, peer: str, model: str, span: Span, hidden: torch.T
     """A stateless forward of whole sequences through `span` on `peer`."""
     stream = await node.open(peer, wire.FORWARD_PROTOCOL)
     try:
-        reply = await _exchange(stream, wire.Message(wire.FORWARD, {"model": model, "start": span.start,
-                                                                    "end": span.end},
-                                                     _tensors(hidden, attention_mask)), timeout)
+        reply = await exchange(stream, wire.Message(wire.FORWARD, {"model": model, "start": span.start,
+                                                                   "end": span.end},
+                                                    _tensors(hidden, attention_mask)), timeout)
     finally:
         await stream.aclose()
     if reply.type != wire.OUTPUT or len(reply.tensors) != 1:
@@ -114,14 +95,3 @@ async def forward(node: Node, peer: str, model: str, span: Span, hidden: torch.T
     if out.shape != hidden.shape:
         raise ProtocolError(f"peer {peer} returned shape {list(out.shape)} for {list(hidden.shape)}")
     return out
-
-
-async def info(node: Node, peer: str, timeout: float = 10.0) -> dict[str, Any]:
-    stream = await node.open(peer, wire.INFO_PROTOCOL)
-    try:
-        reply = await _exchange(stream, wire.Message(wire.INFO), timeout)
-    finally:
-        await stream.aclose()
-    if reply.type != wire.INFO:
-        raise ProtocolError(f"peer {peer} answered 'info' with {reply.type!r}")
-    return reply.fields

@@ -1,4 +1,5 @@
-"""Signed announcements of what this peer serves, stored for every block of its span.
+"""Signed announcements of what this peer serves, stored for every block of its span and once in the
+swarm's directory (`records.DIRECTORY_KEY`, with the model's number of blocks) for health monitors.
 
 Sequence numbers only grow, also across restarts with the same identity: each is at least the
 current time in milliseconds. Re-announcing before the TTL runs out keeps the peer visible; a peer
@@ -19,10 +20,11 @@ logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(self, node: Node, identity: Identity, model_id: str, span: Span, ttl: float):
+    def __init__(self, node: Node, identity: Identity, model_id: str, span: Span, num_blocks: int, ttl: float):
         if not 0 < ttl <= records.MAX_TTL - records.CLOCK_SKEW:
             raise ValueError(f"record TTL must be in (0, {records.MAX_TTL - records.CLOCK_SKEW:.0f}] seconds")
         self.node, self.identity, self.model_id, self.span, self.ttl = node, identity, model_id, span, ttl
+        self.num_blocks = num_blocks
         self.seq = 0
         self.state = "joining"
 
@@ -32,19 +34,21 @@ class Announcer:
 
     async def announce(self, state: str, throughput: float = 0.0, prefill_tps: float = 0.0,
                        cache_tokens_left: int = 0) -> int:
-        """Store this peer's record under every block of its span; returns how many were stored."""
+        """Store this peer's record under every block of its span and in the directory; returns how many
+        block records were stored."""
         now = time.time()
         ann = records.Announcement(self.identity.peer_id, self.model_id, self.span.start, self.span.end, state,
                                    float(throughput), float(prefill_tps), int(cache_tokens_left), __version__,
-                                   self._next_seq(), now)
+                                   self._next_seq(), now, self.num_blocks)
         expiration = now + self.ttl
-        items = []
-        for block in self.span:
-            key = records.block_key(self.model_id, block)
-            items.append((key, self.identity.peer_id, records.seal(self.identity, ann, key_id(key), expiration),
-                          expiration))
-        stored = sum((await self.node.put_records(items)).values())
+        keys = [records.block_key(self.model_id, block) for block in self.span] + [records.DIRECTORY_KEY]
+        items = [(key, self.identity.peer_id, records.seal(self.identity, ann, key_id(key), expiration), expiration)
+                 for key in keys]
+        ok = await self.node.put_records(items)
+        stored = sum(ok.get((key, self.identity.peer_id), False) for key in keys[:-1])
         self.state = state
-        if stored < len(items):
-            logger.warning("announced %s for %d of %d blocks %s", state, stored, len(items), self.span)
+        if stored < len(self.span):
+            logger.warning("announced %s for %d of %d blocks %s", state, stored, len(self.span), self.span)
+        if not ok.get((records.DIRECTORY_KEY, self.identity.peer_id), False):
+            logger.warning("announced %s for blocks %s, but not in the swarm's directory", state, self.span)
         return stored

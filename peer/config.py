@@ -49,6 +49,8 @@ class PeerConfig:
     max_queue: int = option(256, help="steps waiting for compute at most; beyond that requests get 'busy'")
     announce_interval: float = option(20.0, help="seconds between re-announcements")
     record_ttl: float = option(60.0, help="seconds an announcement stays valid without re-announcement")
+    metrics_port: int | None = option(None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free "
+                                      "port; default: off)")
 
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
@@ -62,3 +64,7 @@ class PeerConfig:
                               "announcements")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port")
+        if self.metrics_port == self.port != 0:
+            raise ConfigError(f"--metrics-port and --port are both {self.port}: give metrics a port of its own")

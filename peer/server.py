@@ -19,6 +19,7 @@ import torch
 
 from peer.announcer import Announcer
 from peer.config import PeerConfig
+from peer.metrics import PeerMetrics
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
@@ -99,7 +100,7 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                     announce_host=config.announce_host, initial_peers=config.initial_peers) as node:
         name = describe_peer(node.peer_id)
         span = await choose_blocks(node, ckpt, model_id, config)
-        announcer = Announcer(node, identity, model_id, span, config.record_ttl)
+        announcer = Announcer(node, identity, model_id, span, ckpt.num_blocks, config.record_ttl)
         await announcer.announce("joining")
         logger.info("peer %s loading blocks %s of %s", name, span, model_id)
         blocks = await loop.run_in_executor(None, SpanBlocks, ckpt, span, dtype)
@@ -107,7 +108,9 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
         sessions = SessionTable(config.cache_tokens, config.max_sessions)
         served = Served(node.peer_id, model_id, span, __version__, throughput, prefill_tps)
         with Runtime(config.max_queue) as runtime:
-            servicer = Servicer(config, served, blocks, runtime, sessions)
+            metrics = PeerMetrics()
+            servicer = Servicer(config, served, blocks, runtime, sessions, metrics)
+            metrics.watch(servicer.info)
             await node.serve(wire.SESSION_PROTOCOL, servicer.serve_session)
             await node.serve(wire.FORWARD_PROTOCOL, servicer.serve_forward)
             await node.serve(wire.INFO_PROTOCOL, servicer.serve_info)
@@ -121,7 +124,11 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                         throughput, maddrs[0] if maddrs else "?")
             if on_ready is not None:
                 on_ready(PeerReady(node.peer_id, model_id, span, maddrs))
+            metrics_server = None
             try:
+                if config.metrics_port is not None:
+                    metrics_server = await metrics.serve(config.host, config.metrics_port)
+                    logger.info("peer %s metrics at %s/metrics", name, metrics_server.url)
                 while not stop.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), config.announce_interval)
@@ -132,5 +139,7 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                             logger.warning("peer %s: re-announcement failed", name, exc_info=True)
             finally:
                 logger.info("peer %s leaving: announcing blocks %s offline", name, span)
+                if metrics_server is not None:
+                    await metrics_server.close()
                 with contextlib.suppress(Exception):  # leaving anyway: records expire if this fails
                     await asyncio.wait_for(asyncio.shield(announce("offline")), 5)

@@ -4,7 +4,7 @@ One error policy for every protocol: a `SwarmError` becomes an ERROR message wit
 stream goes on (a session survives a bad step: its cache is untouched); a framing error
 (`ProtocolError`) is answered, then the stream is closed, since the byte stream cannot be trusted
 any more; anything else is logged and answered as `internal`. Nothing a client sends can stop the
-peer from serving others.
+peer from serving others. Events and their timings go to `PeerMetrics`; errors are counted in `_count`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from peer.config import PeerConfig
+from peer.metrics import PeerMetrics
 from peer.runtime import Runtime
 from peer.sessions import Session, SessionTable
 from swarm import wire
@@ -50,8 +51,9 @@ class Served:
 
 class Servicer:
     def __init__(self, config: PeerConfig, served: Served, blocks: SpanBlocks, runtime: Runtime,
-                 sessions: SessionTable):
+                 sessions: SessionTable, metrics: PeerMetrics):
         self.config, self.served, self.blocks, self.runtime, self.sessions = config, served, blocks, runtime, sessions
+        self.metrics = metrics
         self.errors: dict[str, int] = {}
 
     # ---- shared checks ----
@@ -88,6 +90,7 @@ class Servicer:
 
     def _count(self, err: SwarmError) -> None:
         self.errors[err.code] = self.errors.get(err.code, 0) + 1
+        self.metrics.failed(err.code)
 
     async def _send(self, stream: Stream, msg: wire.Message) -> None:
         await asyncio.wait_for(wire.write_message(stream.writer, msg), self.config.step_timeout)
@@ -97,8 +100,11 @@ class Servicer:
 
     async def _answer(self, stream: Stream, handle, msg: wire.Message) -> bool:
         """Run `handle(msg)` and send its reply or its error; False if the stream must end."""
+        received = time.perf_counter()
         try:
             await self._send(stream, await handle(msg))
+            if msg.type == wire.STEP:
+                self.metrics.step_replied(time.perf_counter() - received)
             return True
         except SwarmError as e:
             self._count(e)
@@ -169,6 +175,7 @@ class Servicer:
             raise BadRequest(f"'dtype' must be one of {WIRE_FLOATS}, got {dtype!r}")
         session = self.sessions.open(span, batch, max_length, dtype, time.monotonic())
         session.cache = self.blocks.new_cache(batch, max_length, span)
+        self.metrics.opened()
         logger.debug("opened session %s: blocks %s, batch %d, max length %d", session.id, span, batch, max_length)
         return session
 
@@ -179,6 +186,7 @@ class Servicer:
         out, compute_ms, length = await self.runtime.run(self._compute_step, session, hidden, mask, position,
                                                          timeout=self.config.step_timeout)
         session.steps += 1
+        self.metrics.stepped(hidden.shape[0] * hidden.shape[1], compute_ms / 1e3)
         return wire.Message(wire.OUTPUT, {"step": step, "position": position, "length": length,
                                           "compute_ms": round(compute_ms, 3)}, (wire.blob_of(out),))
 
@@ -204,6 +212,7 @@ class Servicer:
                 raise BadRequest(f"sequences of {hidden.shape[1]} tokens exceed the limit of {self.config.max_length}")
             out, compute_ms = await self.runtime.run(self._compute_forward, span, hidden, mask,
                                                      timeout=self.config.step_timeout)
+            self.metrics.forwarded(hidden.shape[0] * hidden.shape[1], compute_ms / 1e3)
             return wire.Message(wire.OUTPUT, {"compute_ms": round(compute_ms, 3)}, (wire.blob_of(out),))
 
         await self._one_request(stream, handle)

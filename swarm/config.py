@@ -32,6 +32,14 @@ def check_positive(config: Any, names: tuple[str, ...], extra: tuple[str, ...] =
         raise ConfigError(f"{', '.join(bad)} must be positive")
 
 
+def check_port(port: int | None, flag: str) -> None:
+    """`ConfigError` unless `port` is None or a TCP port number (0: any free port)."""
+    from swarm.errors import ConfigError
+
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"{flag} {port} is not a TCP port")
+
+
 def check_dtype(dtype: str) -> None:
     from swarm.errors import ConfigError
 

@@ -1,4 +1,5 @@
-"""Reading the swarm: who announced what for each block of a model.
+"""Reading the swarm: who announced what for each block of a model, and which peers of which models
+the directory lists.
 
 Records reaching this point already passed `records.verify` in the transport's validator; here they
 are only decoded. Expired records never come back from the DHT.
@@ -26,3 +27,17 @@ async def announcements(node: Node, model_id: str, num_blocks: int) -> dict[int,
                 anns.append(ann)
         out[block] = sorted(anns, key=lambda a: -a.seq)
     return out
+
+
+async def directory(node: Node) -> list[records.Announcement]:
+    """Every peer's directory record (any model, any state): one per peer, sorted by model and span."""
+    found = await node.get_records([records.DIRECTORY_KEY])
+    anns = []
+    for subkey, (value, _expiration) in found.get(records.DIRECTORY_KEY, {}).items():
+        try:
+            ann = records.Announcement.from_payload(records.open_envelope(value)[1])
+        except records.RecordRejected:
+            continue  # verified when stored; a record we cannot decode now is simply not used
+        if ann.peer == subkey and ann.num_blocks is not None:
+            anns.append(ann)
+    return sorted(anns, key=lambda a: (a.model, a.start, a.end, a.peer))

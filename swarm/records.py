@@ -2,14 +2,19 @@
 checks them.
 
 A record lives in the DHT under key `block_key(model, block)` and subkey = the announcing peer's id.
-Its value is an envelope: one version byte, a 64-byte Ed25519 signature, then the payload as compact
-JSON. The signature covers a domain tag, the DHT key id, the subkey, the expiration time and the
-payload, so a signed value cannot be moved to another block, another subkey, or a later expiration.
+Each peer also stores its announcement, with the model's `num_blocks`, under one directory key,
+`DIRECTORY_KEY` (no model id starts with '_', so it cannot collide with a block key): reading that one
+key lists every peer of every model, which is how a health monitor finds the models it was not told
+about. Its value is an envelope: one version byte, a 64-byte Ed25519 signature, then the payload as
+compact JSON. The signature covers a domain tag, the DHT key id, the subkey, the expiration time and
+the payload, so a signed value cannot be moved to another block or key, another subkey, or a later
+expiration.
 
 Invariants (checked by `verify` on store and on read, by every node of our swarm):
 - the subkey is a peer id, equal to the payload's `peer`, and the signature verifies against it;
 - the payload follows the schema (unknown fields are tolerated, so newer peers can add optional
-  ones); the key is one of the blocks of the announced span;
+  ones); the key is one of the blocks of the announced span, or the directory key when the payload
+  carries `num_blocks`;
 - the expiration is not beyond `now + MAX_TTL` and not already past;
 - the whole value fits in `MAX_VALUE_BYTES`;
 - per (key, subkey), sequence numbers only grow (`SequenceGuard`): an older record, or a different
@@ -38,6 +43,8 @@ STATES = ("joining", "online", "offline")
 MAX_BLOCKS = 4096  # no model we can serve has more decoder layers
 _DOMAIN = b"swarm-announcement-v1\0"
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DIRECTORY_KEY = "_models"  # every peer of every model, one subkey each; model ids never start with '_'
+_OPTIONAL = ("num_blocks",)  # fields older payloads lack; omitted from the payload when None
 
 
 class RecordRejected(ValueError):
@@ -75,6 +82,7 @@ class Announcement:
     version: str
     seq: int
     issued_at: float
+    num_blocks: int | None = None  # blocks of the whole model; required under the directory key
     extra: dict = field(default_factory=dict, compare=False)  # optional fields of newer versions, kept as-is
 
     @property
@@ -82,7 +90,7 @@ class Announcement:
         return Span(self.start, self.end)
 
     def to_payload(self) -> bytes:
-        data = {k: v for k, v in asdict(self).items() if k != "extra"}
+        data = {k: v for k, v in asdict(self).items() if k != "extra" and not (k in _OPTIONAL and v is None)}
         return json.dumps({**self.extra, **data}, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -94,10 +102,10 @@ class Announcement:
         if not isinstance(data, dict):
             raise RecordRejected("payload is not an object")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        missing = known - data.keys()
+        missing = known - data.keys() - set(_OPTIONAL)
         if missing:
             raise RecordRejected(f"payload lacks {sorted(missing)}")
-        ann = cls(**{k: data[k] for k in known}, extra={k: v for k, v in data.items() if k not in known})
+        ann = cls(**{k: data[k] for k in known if k in data}, extra={k: v for k, v in data.items() if k not in known})
         ann.check_schema()
         return ann
 
@@ -124,6 +132,9 @@ class Announcement:
             raise RecordRejected("throughput figures and issue time must be finite non-negative numbers")
         if not is_int(self.cache_tokens_left, 0, 2**40) or not is_int(self.seq, 0, 2**63 - 1):
             raise RecordRejected("cache tokens left and sequence number must be non-negative integers in range")
+        if self.num_blocks is not None and not is_int(self.num_blocks, self.end, MAX_BLOCKS):
+            raise RecordRejected(f"num_blocks {self.num_blocks!r} must be an integer from the span's end "
+                                 f"to {MAX_BLOCKS}")
 
 
 def signed_message(key_id: bytes, subkey: str, expiration: float, payload: bytes) -> bytes:
@@ -174,7 +185,10 @@ def verify(key_id: bytes, subkey: object, value: bytes, expiration: float, now: 
         raise RecordRejected("payload's peer is not the subkey")
     if ann.issued_at > now + CLOCK_SKEW or expiration - ann.issued_at > MAX_TTL + CLOCK_SKEW:
         raise RecordRejected("issue time is in the future or too long before the expiration")
-    if key_id not in {key_id_of(block_key(ann.model, b)) for b in range(ann.start, ann.end)}:
+    if key_id == key_id_of(DIRECTORY_KEY):
+        if ann.num_blocks is None:
+            raise RecordRejected("a directory record must carry num_blocks")
+    elif key_id not in {key_id_of(block_key(ann.model, b)) for b in range(ann.start, ann.end)}:
         raise RecordRejected("key is not one of the announced span's blocks")
     return ann
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from client.loop import LoopThread
-from client.peer_client import _exchange
 from swarm import wire
+from swarm.calls import exchange
 from swarm.errors import StepTimeout
 from swarm.transport import Stream
 
@@ -42,7 +42,7 @@ def test_a_silent_peer_is_a_step_timeout_not_a_lost_connection():
         reader, writer = await asyncio.open_connection(sock=ours)
         try:
             with pytest.raises(StepTimeout, match="no reply within"):
-                await _exchange(Stream(reader, writer, "peer"), wire.Message(wire.INFO), 0.1)
+                await exchange(Stream(reader, writer, "peer"), wire.Message(wire.INFO), 0.1)
         finally:
             writer.close()
             theirs.close()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import struct
 
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from swarm.identity import Identity
-from swarm.records import (CLOCK_SKEW, ENVELOPE_VERSION, MAX_TTL, MAX_VALUE_BYTES, Announcement, RecordRejected,
-                           SequenceGuard, block_key, seal, signed_message, verify)
+from swarm.records import (CLOCK_SKEW, DIRECTORY_KEY, ENVELOPE_VERSION, MAX_BLOCKS, MAX_TTL, MAX_VALUE_BYTES,
+                           Announcement, RecordRejected, SequenceGuard, block_key, seal, signed_message, verify)
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +27,7 @@ def key_id_of(key: str) -> bytes:
 
 
 KEY0 = key_id_of(block_key("tiny-llama", 0))
+DIRECTORY = key_id_of(DIRECTORY_KEY)
 
 
 def announcement(identity: Identity = HONEST, **changes) -> Announcement:
@@ -47,6 +47,7 @@ def check(value: bytes, key_id: bytes = KEY0, subkey: str = HONEST.peer_id, expi
 
 
 HONEST_VALUE = seal(HONEST, announcement(), KEY0, NOW + 60)
+LISTED_VALUE = seal(HONEST, announcement(num_blocks=6), DIRECTORY, NOW + 60)  # the same peer's directory record
 
 
 # ---- the honest case ----
@@ -87,6 +88,10 @@ def _forged_cases() -> dict[str, dict]:
         "moved to another block of the span": dict(value=HONEST_VALUE, key_id=key_id_of(block_key("tiny-llama", 1))),
         "moved to another subkey": dict(value=HONEST_VALUE, subkey=ATTACKER.peer_id),
         "subkey is not a peer id": dict(value=HONEST_VALUE, subkey="not-a-peer"),
+        "block record moved to the directory": dict(value=seal(HONEST, announcement(num_blocks=6), KEY0, NOW + 60),
+                                                    key_id=DIRECTORY),
+        "directory record moved to a block": dict(value=LISTED_VALUE),
+        "directory record under another subkey": dict(value=LISTED_VALUE, key_id=DIRECTORY, subkey=ATTACKER.peer_id),
     }
 
 
@@ -108,6 +113,40 @@ def test_key_must_be_a_block_of_the_announced_span():
         value = seal(HONEST, announcement(), key_id_of(key), NOW + 60)
         with pytest.raises(RecordRejected, match="not one of the announced span's blocks"):
             check(value, key_id=key_id_of(key))
+
+
+# ---- the directory record ----
+
+def test_directory_record_verifies_with_num_blocks():
+    ann = check(LISTED_VALUE, key_id=DIRECTORY)
+    assert ann == announcement(num_blocks=6) and ann.num_blocks == 6
+    assert check(seal(HONEST, announcement(num_blocks=2), DIRECTORY, NOW + 60), key_id=DIRECTORY).num_blocks == 2
+
+
+def test_directory_key_refuses_records_without_num_blocks():
+    with pytest.raises(RecordRejected, match="directory record must carry num_blocks"):
+        check(seal(HONEST, announcement(), DIRECTORY, NOW + 60), key_id=DIRECTORY)
+
+
+def test_block_records_may_carry_num_blocks_but_still_need_their_key_in_the_span():
+    ann = announcement(num_blocks=6)
+    assert check(seal(HONEST, ann, KEY0, NOW + 60)) == ann
+    key2 = key_id_of(block_key("tiny-llama", 2))
+    with pytest.raises(RecordRejected, match="not one of the announced span's blocks"):
+        check(seal(HONEST, ann, key2, NOW + 60), key_id=key2)
+
+
+def test_num_blocks_is_optional_and_omitted_when_absent():
+    assert "num_blocks" not in json.loads(announcement().to_payload())
+    assert json.loads(announcement(num_blocks=6).to_payload())["num_blocks"] == 6
+    assert Announcement.from_payload(announcement().to_payload()).num_blocks is None
+    assert Announcement.from_payload(announcement(num_blocks=6).to_payload()) == announcement(num_blocks=6)
+
+
+def test_no_model_id_starts_like_the_directory_key():
+    assert DIRECTORY_KEY.startswith("_")
+    with pytest.raises(RecordRejected, match="model id"):
+        announcement(model=DIRECTORY_KEY).check_schema()
 
 
 @pytest.mark.parametrize("subkey", [None, b"12D3KooW", 7])
@@ -210,6 +249,11 @@ _DROP = object()
     (_payload(version="v" * 33), "version"),
     (_payload(version=1), "version"),
     (_payload(peer=None), "peer and version"),
+    (_payload(num_blocks=1), "num_blocks"),  # fewer blocks than the span's end
+    (_payload(num_blocks=MAX_BLOCKS + 1), "num_blocks"),
+    (_payload(num_blocks=6.0), "num_blocks"),
+    (_payload(num_blocks=True), "num_blocks"),
+    (_payload(num_blocks="6"), "num_blocks"),
 ])
 def test_schema_violations_are_rejected_even_when_signed(payload, rule):
     value = envelope(HONEST, KEY0, HONEST.peer_id, NOW + 60, payload)

@@ -1,0 +1,51 @@
+"""One checked request and reply with a peer, and the info call built on it. Torch-free, so the
+bootstrap's health monitor can ping peers too.
+
+Every reply is checked: an ERROR message becomes its typed error (so callers can tell "reroute" from
+"give up"), a stream that ends or stays silent becomes `ConnectionLost` or `StepTimeout`, and a
+reply of the wrong type is a `ProtocolError`, never silently used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from swarm import wire
+from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, error_from_code
+from swarm.transport import Node, Stream
+
+MAX_REPLY_BYTES = 1 << 30
+
+
+def raise_if_error(msg: wire.Message) -> None:
+    if msg.type == wire.ERROR:
+        raise error_from_code(str(msg.fields.get("code")), str(msg.fields.get("message")))
+
+
+async def exchange(stream: Stream, msg: wire.Message, timeout: float) -> wire.Message:
+    """Send `msg`, read one reply within `timeout` seconds; an ERROR reply is raised as its typed error."""
+    try:
+        await wire.write_message(stream.writer, msg)
+    except (ConnectionError, OSError) as e:
+        raise ConnectionLost(f"peer {stream.remote} closed the stream ({type(e).__name__})") from None
+    try:
+        reply = await asyncio.wait_for(wire.read_message(stream.reader, MAX_REPLY_BYTES), timeout)
+    except asyncio.TimeoutError:  # before OSError: on 3.11 it is the builtin TimeoutError, an OSError
+        raise StepTimeout(f"peer {stream.remote} sent no reply within {timeout:.1f} s") from None
+    except (EOFError, ConnectionError, OSError):
+        raise ConnectionLost(f"peer {stream.remote} closed the stream without a reply") from None
+    raise_if_error(reply)
+    return reply
+
+
+async def info(node: Node, peer: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The peer's `info` reply fields: what it serves and how loaded it is (see docs/protocol.md)."""
+    stream = await node.open(peer, wire.INFO_PROTOCOL)
+    try:
+        reply = await exchange(stream, wire.Message(wire.INFO), timeout)
+    finally:
+        await stream.aclose()
+    if reply.type != wire.INFO:
+        raise ProtocolError(f"peer {peer} answered 'info' with {reply.type!r}")
+    return reply.fields
