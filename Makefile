@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean browser
 
 install: $(STAMP)
 
@@ -21,8 +21,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/swarm demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The health page's browser test drives Debian's Chromium (never a downloaded browser). As root, install
+# it when missing; otherwise stop here with the command to run.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@if [ ! -x $(CHROMIUM) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
+	@test -x $(CHROMIUM) || { echo "make test: Chromium is missing; the health page's browser test needs it." \
+		"Install it with: sudo apt-get install -y chromium" >&2; exit 1; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

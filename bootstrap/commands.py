@@ -1,4 +1,5 @@
-"""`swarm bootstrap`: run the swarm's entry node. Light at import."""
+"""`swarm bootstrap`: run the swarm's entry node; `swarm monitor`: serve the swarm health page from a
+node of its own. Light at import."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 
 def register_bootstrap(sub: argparse._SubParsersAction) -> None:
-    from bootstrap.node import BootstrapConfig
+    from bootstrap.config import BootstrapConfig
     from swarm.signals import add_service_command
 
     def load_serve():
@@ -24,4 +25,21 @@ def register_bootstrap(sub: argparse._SubParsersAction) -> None:
     add_service_command(sub, "bootstrap", BootstrapConfig, load_serve, finish=default_identity,
                         help="run a bootstrap node: the stable entry point of a swarm",
                         description="A DHT-only node with a stable identity. Prints its multiaddrs; give one to "
-                        "peers and clients as --initial-peers. Stops cleanly on Ctrl-C or SIGTERM.")
+                        "peers and clients as --initial-peers. With --monitor-port it also serves the swarm "
+                        "health page. Stops cleanly on Ctrl-C or SIGTERM.")
+
+
+def register_monitor(sub: argparse._SubParsersAction) -> None:
+    from bootstrap.config import MonitorConfig
+    from swarm.signals import add_service_command
+
+    def load_serve():
+        from bootstrap.monitor import run
+
+        return run
+
+    add_service_command(sub, "monitor", MonitorConfig, load_serve,
+                        help="serve the swarm health page: who serves which blocks, which blocks nobody serves",
+                        description="Joins the swarm as a client, finds every model from the peers' directory "
+                        "records, pings the peers every --interval seconds, and serves an HTML page (/), JSON "
+                        "(/api/v1/swarm) and Prometheus gauges (/metrics). Prints 'monitor at URL' once serving.")

@@ -2,6 +2,7 @@
 
 It stores and checks announcement records like every node, serves no blocks, and imports no torch.
 Its key file is created on first start, so its multiaddrs (the swarm's entry point) survive restarts.
+With `--monitor-port` it also serves the swarm health page (`bootstrap.monitor`) from its own node.
 """
 
 from __future__ import annotations
@@ -10,34 +11,26 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
-from swarm.config import option
+from bootstrap.config import BootstrapConfig
+from bootstrap.monitor import Monitor, announce
 from swarm.identity import load_or_create
 from swarm.transport import Node
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class BootstrapConfig:
-    identity: Path = option(help="Ed25519 key file, created on first start (default: <cache home>/bootstrap.key)",
-                            required=False, default=None)
-    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    port: int = option(0, help="TCP port to listen on (0: any free port; give one for a stable address)")
-    announce_host: str | None = option(None, help="public address to announce, if different from --host")
-    log_interval: float = option(60.0, help="seconds between swarm size reports")
-
-
 async def run(config: BootstrapConfig, stop: asyncio.Event, on_ready: Callable[[list[str]], None] | None = None) -> None:
     identity = load_or_create(config.identity)
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
-                    announce_host=config.announce_host) as node:
+                    announce_host=config.announce_host) as node, contextlib.AsyncExitStack() as stack:
         maddrs = await node.maddrs()
         for addr in maddrs:
             print(addr, flush=True)
         logger.info("bootstrap %s ready; give peers --initial-peers %s", node.peer_id, maddrs[0] if maddrs else "?")
+        if config.monitor_port is not None:
+            announce(await stack.enter_async_context(Monitor(node, config.monitor_host, config.monitor_port,
+                                                             config.monitor_interval)))
         if on_ready is not None:
             on_ready(maddrs)
         while not stop.is_set():

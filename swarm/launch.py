@@ -90,6 +90,8 @@ class LocalSwarm:
 
         proc.extra["maddrs"] = wait_until(addrs, timeout, f"{name} to print its address", diagnostics=proc.text)
         proc.peer_id = load_or_create(identity).peer_id
+        if "--monitor-port" in extra:
+            proc.extra["monitor_url"] = self._wait_url(proc, "monitor at ", timeout)
         if name == "bootstrap":
             self.bootstrap_addrs = proc.extra["maddrs"]
         return proc
@@ -111,6 +113,29 @@ class LocalSwarm:
             return "serving blocks" in proc.text()
 
         wait_until(ready, timeout, f"{proc.name} to serve", diagnostics=lambda: proc.text()[-3000:])
+
+    def start_api(self, name: str, model: Path, *extra: str, timeout: float = 120) -> Proc:
+        """`swarm api` for `model` joined to this swarm, on a free port; its base URL is `extra["url"]`."""
+        proc = self._spawn(name, ["api", "--model", str(model), "--initial-peers", *self.bootstrap_addrs,
+                                  "--port", "0", *extra])
+        proc.extra["url"] = self._wait_url(proc, "api at ", timeout)
+        return proc
+
+    def start_monitor(self, name: str = "monitor", *extra: str, timeout: float = 60) -> Proc:
+        """`swarm monitor` joined to this swarm, on a free port; its page's URL is `extra["url"]`."""
+        proc = self._spawn(name, ["monitor", "--initial-peers", *self.bootstrap_addrs, "--port", "0", *extra])
+        proc.extra["url"] = self._wait_url(proc, "monitor at ", timeout)
+        return proc
+
+    def _wait_url(self, proc: Proc, prefix: str, timeout: float) -> str:
+        """The URL that `proc` prints on a line starting with `prefix` once it serves."""
+        def url():
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.text()[-3000:]}")
+            return next((ln.split()[-1] for ln in proc.text().splitlines() if ln.startswith(prefix)), None)
+
+        return wait_until(url, timeout, f"{proc.name} to print '{prefix.strip()} URL'",
+                          diagnostics=lambda: proc.text()[-3000:])
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         proc = self.procs[name]
