@@ -25,12 +25,12 @@ def generation_kwargs(args: argparse.Namespace, tokenizer) -> dict:
     """transformers `generate` arguments from the command line: greedy unless a temperature is given."""
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be positive")
+    from client.generation import stop_token_ids
+
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    stop = [i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                        tokenizer.convert_tokens_to_ids("<end_of_turn>")) if isinstance(i, int)
-            and i != tokenizer.unk_token_id]
+    stop = stop_token_ids(tokenizer)
     if stop:
-        kwargs["eos_token_id"] = sorted(set(stop))
+        kwargs["eos_token_id"] = stop
     if args.temperature is None or args.temperature == 0:
         return {**kwargs, "do_sample": False}
     if not args.temperature > 0:

@@ -1,4 +1,4 @@
-"""Subcommands of the client: generate, chat, status, demo. Light at import: the work (torch,
+"""Subcommands of the client: generate, chat, status, demo, api. Light at import: the work (torch,
 transformers, the network) is imported when a command runs."""
 
 from __future__ import annotations
@@ -80,3 +80,16 @@ def _load(name: str, module: str = "client.cli"):
     import importlib
 
     return getattr(importlib.import_module(module), name)
+
+
+def register_api(sub: argparse._SubParsersAction) -> None:
+    from client.config import ApiConfig
+    from swarm.config import add_options
+
+    p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API backed by the swarm",
+                       description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming too) "
+                       "for one model whose blocks run in the swarm, and Prometheus metrics at /metrics. "
+                       "Point any OpenAI client at http://HOST:PORT/v1.")
+    _client_options(p)
+    add_options(p, ApiConfig)
+    p.set_defaults(run=lambda args: _load("run_api", "client.api")(args))

@@ -1,10 +1,12 @@
-"""The client's settings: one frozen dataclass, shared by the SDK and the client commands."""
+"""The client's settings, shared by the SDK and the client commands, and the API gateway's. Light at import:
+the commands read these to build their options."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from swarm.config import check_dtype, check_positive, option
+from swarm.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,3 +31,34 @@ class ClientConfig:
                     "deadline_factor", "ban_seconds", "slow_factor", "max_retries", "slow_steps")
         check_positive(self, positive)
         check_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    port: int = option(8000, help="TCP port to listen on (0: any free port)")
+    max_tokens: int = option(512, help="the largest max_tokens a request may ask for; also the default for chat")
+    context_length: int | None = option(None, help="longest prompt + completion in tokens (default: the model's, "
+                                        "at most 4096, the peers' default session length)")
+    max_generations: int = option(8, help="generations running at once; more wait in the queue")
+    max_queue: int = option(32, help="requests waiting for a generation slot; beyond that they get 503")
+    max_n: int = option(4, help="the largest n (choices per request)")
+    max_connections: int = option(512, help="open HTTP connections at most")
+    header_timeout: float = option(10.0, help="seconds a connection may take to send a request's headers (and "
+                                   "stay idle between requests)")
+    body_timeout: float = option(30.0, help="seconds a request's body may take to arrive")
+    max_body_bytes: int = option(1 << 20, help="largest request body in bytes")
+    retry_after: int = option(5, help="seconds clients are told to wait (Retry-After) when blocks are uncovered")
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("max_tokens", "max_generations", "max_queue", "max_n", "max_connections",
+                              "header_timeout", "body_timeout", "max_body_bytes", "retry_after"),
+                       ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+
+    @property
+    def limits(self):
+        from swarm import http
+
+        return http.Limits(self.max_connections, self.header_timeout, self.body_timeout, self.max_body_bytes)

@@ -54,3 +54,17 @@ def client(swarm, loop):
         yield node
     finally:
         loop.run(node.__aexit__(None, None, None))
+
+
+@pytest.fixture(scope="session")
+def demo_swarm(tmp_path_factory, demo_model_dir):
+    """The real demo model (SmolLM2) on a bootstrap and three peers, shared by the modules that need it."""
+    from client.demo import start_swarm
+    from swarm.records import default_model_id
+
+    net = LocalSwarm(tmp_path_factory.mktemp("demo-swarm"))
+    try:
+        start_swarm(net, demo_model_dir, 3, "float32", default_model_id(demo_model_dir))
+        yield net
+    finally:
+        net.stop_all()

@@ -14,24 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client.demo import start_swarm
 from client.model import DistributedModelForCausalLM
-from swarm.launch import LocalSwarm, wait_until
-from swarm.records import default_model_id
+from swarm.launch import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def demo_swarm(tmp_path_factory, demo_model_dir):
-    net = LocalSwarm(tmp_path_factory.mktemp("demo-swarm"))
-    try:
-        start_swarm(net, demo_model_dir, 3, "float32", default_model_id(demo_model_dir))
-        yield net
-    finally:
-        net.stop_all()
 
 
 @pytest.fixture(scope="module")

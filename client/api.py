@@ -1,0 +1,530 @@
+"""`swarm api`: an OpenAI-compatible HTTP API whose model runs in the swarm.
+
+Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
+(the model's chat template), with `stream: true` as server-sent events in OpenAI's chunk format, and
+`GET /metrics` (Prometheus). One process, one event loop: the HTTP server, a client-mode DHT node and
+every generation (`client.generation`) share it; the head runs in a small thread pool.
+
+Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`):
+400 invalid parameters, 404 unknown model or path, 405 wrong method, 408 a body that does not arrive in
+time, 413 an oversize body, 503 with `Retry-After` when some blocks have no live peer or every
+generation slot and queue place is taken, 500 for a bug (logged). A failure after a stream has started
+is sent as a final `data: {"error": ...}` event.
+
+Limits: `max_generations` run at once and `max_queue` more wait for a slot; the connection guards of
+`swarm.http` (header deadline, connection cap with eviction, body deadline and size). A client that
+disconnects cancels its request's task, which closes its peer sessions (`Generation.run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from client.config import ApiConfig, ClientConfig
+from client.generation import Generation, Sampling, stop_token_ids
+from client.swarm_client import SwarmClient
+from swarm import http, metrics
+from swarm.errors import ConfigError, NoRoute, SwarmError
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+# ---- request parsing: every field checked, in OpenAI's terms ----
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    # the range first: it compares a huge JSON integer exactly (math.isfinite would overflow) and refuses NaN
+    if type(value) not in (int, float) or not lo <= value <= hi or not math.isfinite(value):
+        raise invalid(name, f"'{name}' must be a number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int, what: str = "") -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not lo <= value <= hi:
+        raise invalid(name, f"'{name}' must be an integer in [{lo}, {hi}]{what}, got {value!r}")
+    return value
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_STRINGS \
+            or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", f"'stop' must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} of them")
+    return tuple(stops)
+
+
+def _unsupported(body: dict, names: dict[str, Callable[[Any], bool]]) -> None:
+    for name, harmless in names.items():
+        if name in body and not harmless(body[name]):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(where, f"'{where}' may hold only text parts ({{\"type\": \"text\", \"text\": ...}})")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(where, f"'{where}' must be a string or a list of text parts")
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a role in {ROLES}")
+        content = m.get("content")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": "" if content is None else _text_content(content, f"messages[{i}].content")})
+    return out
+
+
+def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
+    """Sampling parameters (max_tokens left 0 when not given), whether to stream, whether to add usage
+    to the stream."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise invalid("stream", "'stream' must be a boolean")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options", "'stream_options' must be an object")
+    include_usage = bool(stream and options and options.get("include_usage"))
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is not None and (type(max_tokens) is not int or not 1 <= max_tokens <= config.max_tokens):
+        raise invalid(param, f"'{param}' must be an integer in [1, {config.max_tokens}] (this server's limit), "
+                      f"got {max_tokens!r}")
+    seed = _integer(body, "seed", -2**63, 2**63 - 1)
+    sampling = Sampling(
+        max_tokens=max_tokens or 0,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        n=_integer(body, "n", 1, config.max_n, " (this server's limit)") or 1,
+        stop=_stops(body),
+        seed=None if seed is None else seed % 2**63,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+    )
+    _unsupported(body, {"logprobs": lambda v: not v, "top_logprobs": lambda v: v in (None, 0),
+                        "echo": lambda v: not v, "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
+                        "logit_bias": lambda v: not v, "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
+                        "functions": lambda v: not v, "response_format": lambda v: v in (None, {"type": "text"})})
+    return sampling, bool(stream), include_usage
+
+
+# ---- the gateway ----
+
+class Gateway:
+    """The HTTP application over one model of the swarm (see the module docstring)."""
+
+    def __init__(self, config: ApiConfig, client: SwarmClient, head, tokenizer, model_id: str, context_length: int,
+                 end_tokens: list[int]):
+        self.config, self.client, self.head, self.tokenizer = config, client, head, tokenizer
+        self.model_id, self.context_length, self.end_tokens = model_id, context_length, end_tokens
+        self.created = int(time.time())
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="api-head")
+        self.slots = asyncio.Semaphore(config.max_generations)
+        self.waiting = 0
+        self.running = 0
+        self.server: http.HttpServer | None = None
+        self.registry = CollectorRegistry()
+        self._metrics()
+
+    def _metrics(self) -> None:
+        r = self.registry
+        self.m_requests = Counter("swarm_api_requests", "HTTP requests answered, by endpoint and status",
+                                  ["endpoint", "status"], registry=r)
+        self.m_tokens = Counter("swarm_api_tokens", "tokens processed, prompt and completion", ["kind"], registry=r)
+        self.m_seconds = Histogram("swarm_api_request_seconds", "time to answer a generation request, whole",
+                                   ["endpoint"], buckets=metrics.LATENCY_BUCKETS, registry=r)
+        self.m_ttft = Histogram("swarm_api_time_to_first_token_seconds", "from a generation's start to its first "
+                                "token (prompt through every block, then sampling)", buckets=metrics.LATENCY_BUCKETS,
+                                registry=r)
+        self.m_token_seconds = Histogram("swarm_api_token_seconds", "time between consecutive tokens of a "
+                                         "generation", buckets=metrics.LATENCY_BUCKETS, registry=r)
+        self.m_failovers = Counter("swarm_api_failovers", "peers replaced during generations", ["reason"], registry=r)
+        self.m_cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",
+                                   registry=r)
+
+        def state():
+            guard = self.server.guard if self.server else None
+            yield "swarm_api_generations_running", "generations running now", self.running, {}
+            yield "swarm_api_generations_waiting", "requests waiting for a generation slot", self.waiting, {}
+            if guard is not None:
+                yield "swarm_api_connections_open", "HTTP connections open now", guard.open_connections(), {}
+                for what, value in (("evicted", guard.evicted), ("refused", guard.refused),
+                                    ("timed_out", guard.timed_out)):
+                    yield ("swarm_api_connections_dropped", "connections closed by the guards since start "
+                           "(cumulative)", value, {"reason": what})
+
+        r.register(metrics.StateCollector(state))
+
+    def app(self) -> web.Application:
+        app = http.make_app(self.config.limits)
+        app.middlewares.append(self._errors)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        metrics.add_route(app, self.registry)
+        return app
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- plumbing ----
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = e.response()
+        except web.HTTPRequestEntityTooLarge as e:
+            response = ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes", code="body_too_large"
+                                ).response()
+            del e
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+            response = ApiError(e.status, e.reason if e.status != 404 else f"no such path: {request.path}",
+                                code=kind).response()
+        except Exception:  # boundary: a bug in one request is answered as such; the server keeps serving
+            logger.exception("%s %s failed", request.method, request.path)
+            response = ApiError(500, "internal error", type="server_error", code="internal").response()
+        self.m_requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            raw = await http.read_body(request, self.config.limits)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s",
+                           code="body_timeout") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise invalid("model", "'model' is required: a string naming the model")
+        if model != self.model_id:
+            raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+        return body
+
+    async def _tokenize(self, fn: Callable, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _sized(self, sampling: Sampling, prompt: list[int], default_max: int) -> Sampling:
+        """`sampling` with max_tokens settled, after checking the prompt against the context length."""
+        room = self.context_length - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the prompt "
+                           f"has {len(prompt)}", param="messages" if default_max else "prompt",
+                           code="context_length_exceeded")
+        max_tokens = sampling.max_tokens or min(default_max or room, room)
+        if max_tokens > room:
+            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; you asked "
+                           f"for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the "
+                           "completion)", param="max_tokens", code="context_length_exceeded")
+        return Sampling(**{**sampling.__dict__, "max_tokens": max_tokens})
+
+    # ---- endpoints ----
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "swarm"}
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_id:
+            raise ApiError(404, f"the model '{request.match_info['model']}' does not exist here", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_card())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        sampling, stream, include_usage = parse_common(body, self.config)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = await self._tokenize(lambda: self.tokenizer(prompt).input_ids)
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            if not all(0 <= t < self.head.vocab_size for t in prompt):
+                raise invalid("prompt", f"token ids must lie in [0, {self.head.vocab_size})")
+            ids = prompt
+        else:
+            raise invalid("prompt", "'prompt' must be a string, a list of token ids, or a list holding one of these")
+        if not ids:
+            raise invalid("prompt", "the prompt is empty")
+        sampling = self._sized(sampling, ids, 16 if sampling.max_tokens == 0 else 0)
+        return await self._generate(request, "text_completion", ids, sampling, stream, include_usage)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        sampling, stream, include_usage = parse_common(body, self.config)
+        messages = parse_messages(body)
+        if not self.tokenizer.chat_template:
+            raise ApiError(400, f"the model '{self.model_id}' has no chat template: use /v1/completions",
+                           code="no_chat_template")
+        ids = await self._tokenize(lambda: list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
+        sampling = self._sized(sampling, ids, self.config.max_tokens)
+        return await self._generate(request, "chat.completion", ids, sampling, stream, include_usage)
+
+    # ---- generation ----
+
+    async def _slot(self) -> None:
+        if self.slots.locked() and self.waiting >= self.config.max_queue:
+            raise ApiError(503, f"all {self.config.max_generations} generation slots and {self.config.max_queue} "
+                           "queue places are taken; retry shortly", type="server_busy", code="server_busy",
+                           headers={"Retry-After": "1"})
+        self.waiting += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.waiting -= 1
+
+    async def _generate(self, request: web.Request, kind: str, prompt: list[int], sampling: Sampling,
+                        stream: bool, include_usage: bool) -> web.StreamResponse:
+        endpoint = "/v1/chat/completions" if kind == "chat.completion" else "/v1/completions"
+        await self._slot()
+        self.running += 1
+        started = time.perf_counter()
+        gen = Generation(self.client, self.head, self.tokenizer, self.executor, prompt, sampling, self.end_tokens)
+        events = gen.run()
+        out = _Output(kind, self.model_id, sampling.n)
+        try:
+            try:  # the prompt runs before any header is sent, so its errors keep their status
+                first = await anext(events, [])
+                self.m_ttft.observe(gen.first_token_s or 0.0)
+                last = time.perf_counter()
+                if not stream:
+                    out.add(first)
+                    async for deltas in events:
+                        now = time.perf_counter()
+                        self.m_token_seconds.observe(now - last)
+                        last = now
+                        out.add(deltas)
+                    return web.json_response(out.whole(gen))
+            except SwarmError as e:
+                raise _api_error(e, self.config.retry_after) from None
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            for chunk in out.opening():
+                await _send(response, chunk)
+            await _send(response, out.chunk(first))
+            try:
+                async for deltas in events:
+                    now = time.perf_counter()
+                    self.m_token_seconds.observe(now - last)
+                    last = now
+                    await _send(response, out.chunk(deltas))
+            except SwarmError as e:  # the stream has started: the error goes in it
+                await _send(response, _api_error(e, self.config.retry_after).body())
+            else:
+                if include_usage:
+                    await _send(response, out.usage_chunk(gen))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        except asyncio.CancelledError:
+            self.m_cancelled.inc()
+            logger.info("%s: client went away after %d tokens; generation cancelled", endpoint, gen.completion_tokens)
+            raise
+        finally:
+            await events.aclose()
+            self.running -= 1
+            self.slots.release()
+            self.m_seconds.labels(endpoint).observe(time.perf_counter() - started)
+            self.m_tokens.labels("prompt").inc(gen.prompt_tokens)
+            self.m_tokens.labels("completion").inc(gen.completion_tokens)
+            for f in gen.failovers:
+                self.m_failovers.labels(f.reason).inc()
+            logger.info("%s: %d prompt + %d completion tokens in %.2f s (first token %.2f s)%s", endpoint,
+                        gen.prompt_tokens, gen.completion_tokens, time.perf_counter() - started,
+                        gen.first_token_s or 0.0, f", {len(gen.failovers)} failovers" if gen.failovers else "")
+
+
+def _api_error(err: SwarmError, retry_after: int) -> ApiError:
+    if isinstance(err, NoRoute):
+        return ApiError(503, str(err), type="service_unavailable", code="no_route",
+                        headers={"Retry-After": str(retry_after)})
+    if err.code == "bad_request":
+        return ApiError(400, str(err), code="bad_request")
+    return ApiError(502, f"the swarm failed: {err}", type="server_error", code=err.code)
+
+
+async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
+
+
+class _Output:
+    """Builds a response's JSON: whole, or as stream chunks, in OpenAI's formats."""
+
+    def __init__(self, kind: str, model: str, n: int):
+        self.kind, self.model, self.n = kind, model, n
+        self.chat = kind == "chat.completion"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.texts = [""] * n
+        self.finish: list[str | None] = [None] * n
+
+    def add(self, deltas) -> None:
+        for d in deltas:
+            self.texts[d.index] += d.text
+            self.finish[d.index] = d.finish_reason or self.finish[d.index]
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, gen: Generation) -> dict[str, Any]:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f,
+                        "logprobs": None} for i, (t, f) in enumerate(zip(self.texts, self.finish))]
+        else:
+            choices = [{"index": i, "text": t, "finish_reason": f, "logprobs": None}
+                       for i, (t, f) in enumerate(zip(self.texts, self.finish))]
+        return {**self._head(self.kind), "choices": choices, "usage": _usage(gen)}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chat streams start with the assistant role for every choice."""
+        if not self.chat:
+            return []
+        return [{**self._head("chat.completion.chunk"), "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            for i in range(self.n)]}]
+
+    def chunk(self, deltas) -> dict[str, Any]:
+        if self.chat:
+            choices = [{"index": d.index, "delta": {"content": d.text} if d.text else {},
+                        "finish_reason": d.finish_reason, "logprobs": None} for d in deltas]
+            return {**self._head("chat.completion.chunk"), "choices": choices}
+        return {**self._head("text_completion"), "choices": [
+            {"index": d.index, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None} for d in deltas]}
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": _usage(gen)}
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+# ---- the process ----
+
+def context_length_of(model_config, configured: int | None) -> int:
+    native = getattr(model_config, "max_position_embeddings", None) or 4096
+    return configured if configured is not None else min(int(native), 4096)
+
+
+async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop: asyncio.Event,
+                on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the gateway for the checkpoint at `path` until `stop` is set."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from swarm.checkpoint import Checkpoint
+    from swarm.head import ModelHead
+    from swarm.identity import Identity
+    from swarm.records import default_model_id
+    from swarm.transport import Node
+
+    loop = asyncio.get_running_loop()
+    ckpt = await loop.run_in_executor(None, Checkpoint, path)
+    model_id = client_config.model_id or default_model_id(path)
+    head = await loop.run_in_executor(None, lambda: ModelHead(ckpt, dtype=client_config.dtype))
+    tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
+    generation_config = GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").exists() \
+        else None
+    if not client_config.initial_peers:
+        raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
+    async with Node(Identity.generate(), initial_peers=client_config.initial_peers, client_mode=True) as node:
+        client = SwarmClient(node, model_id, ckpt.num_blocks, client_config)
+        gateway = Gateway(config, client, head, tokenizer, model_id, context_length_of(ckpt.config, config.context_length),
+                          stop_token_ids(tokenizer, generation_config))
+        try:
+            gateway.server = await http.start(gateway.app(), config.host, config.port, config.limits)
+            url = f"{gateway.server.url}/v1"
+            logger.info("api at %s serving model %s (%d blocks in the swarm; context %d tokens)", url, model_id,
+                        ckpt.num_blocks, gateway.context_length)
+            print(f"api at {url}", flush=True)
+            if on_ready is not None:
+                on_ready(url)
+            await stop.wait()
+        finally:
+            await gateway.close()
+
+
+def run_api(args) -> int:
+    from client.cli import model_path
+    from swarm.config import from_args
+    from swarm.signals import run_until_signal
+
+    config = from_args(ApiConfig, args)
+    client_config = from_args(ClientConfig, args)
+    path = model_path(args)
+    print(f"[api] loading the head of {path}", file=sys.stderr, flush=True)
+    return run_until_signal(lambda stop: serve(config, client_config, path, stop))

@@ -1,0 +1,192 @@
+"""Async text generation over the swarm, for servers: one `Generation` per request, many at once.
+
+The SDK's `generate()` is synchronous and runs one session per model object; a server instead needs
+many generations on one event loop, each cancellable at any await (a client that disconnects). So
+this module drives an `InferenceSession` directly: the prompt is one step, then one token per step.
+The head (embeddings, LM head) and sampling run in a thread pool, so the event loop keeps serving.
+
+Sampling follows the usual definitions, in this order: presence and frequency penalties over the
+tokens generated so far, temperature, nucleus (top-p). Temperature 0 is greedy: the argmax, the
+same token transformers' greedy search picks from the same logits. A seed makes sampling
+reproducible (choice i uses seed + i).
+
+Text and stop strings: each choice's text is the decoding of its tokens (special tokens skipped).
+Text that could still become a stop string, or an incomplete character, is held back until it is
+known; a stop string ends the choice and is not part of its text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from client.session import Failover, InferenceSession
+from client.swarm_client import SwarmClient
+from swarm.head import ModelHead
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of one choice; `finish_reason` ('stop' or 'length') on its last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    ids: list[int] = field(default_factory=list)  # generated tokens, an end token included
+    text: str = ""  # the text given out so far (all of it once finished)
+    finish_reason: str | None = None
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Tokens that end a generation: the end-of-sequence tokens of the tokenizer and the generation
+    config, and the end-of-turn markers of common chat templates."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids = {v for v in (tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])) if isinstance(v, int)}
+    for marker in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>"):
+        value = tokenizer.convert_tokens_to_ids(marker)
+        # a marker the vocabulary lacks reads as the unknown token; a declared end of text may be that token
+        if isinstance(value, int) and value != tokenizer.unk_token_id:
+            ids.add(value)
+    return sorted(ids)
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may still turn out to start a stop string (or are an
+    incomplete character)."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return hold
+
+
+class Sampler:
+    """Chooses the next token of each choice from its logits (see the module docstring)."""
+
+    def __init__(self, sampling: Sampling, vocab_size: int):
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        self.generators = [torch.Generator().manual_seed((seed + i) % 2**63) for i in range(sampling.n)]
+        self.counts = torch.zeros(sampling.n, vocab_size)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor) -> list[int]:
+        """`logits` [n, vocab] -> one token per choice."""
+        s = self.sampling
+        logits = logits.float()
+        if s.presence_penalty or s.frequency_penalty:
+            logits = logits - s.frequency_penalty * self.counts - s.presence_penalty * (self.counts > 0).float()
+        if s.temperature == 0:
+            tokens = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / s.temperature, dim=-1)
+            if s.top_p < 1.0:
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                # keep the smallest set of most likely tokens whose mass reaches top_p (the first always)
+                drop = sorted_probs.cumsum(-1) - sorted_probs >= s.top_p
+                drop[:, 0] = False
+                sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
+                                  for i, g in enumerate(self.generators)])
+        self.counts[torch.arange(len(tokens)), tokens] += 1
+        return tokens.tolist()
+
+
+class Generation:
+    """One request's generation: `async for deltas in gen.run(): ...`; afterwards `usage` and the
+    session's `failovers`. Cancelling the task that runs it closes its peer sessions."""
+
+    def __init__(self, client: SwarmClient, head: ModelHead, tokenizer, executor: Executor, prompt: list[int],
+                 sampling: Sampling, end_tokens: list[int]):
+        self.client, self.head, self.tokenizer, self.executor = client, head, tokenizer, executor
+        self.prompt, self.sampling, self.end_tokens = prompt, sampling, set(end_tokens)
+        self.choices = [Choice(i) for i in range(sampling.n)]
+        self.failovers: list[Failover] = []
+        self.first_token_s: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.ids) for c in self.choices)
+
+    async def _in_pool(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run(self) -> AsyncIterator[list[Delta]]:
+        s = self.sampling
+        started = time.perf_counter()
+        sampler = Sampler(s, self.head.vocab_size)
+        ids = torch.tensor([self.prompt] * s.n, dtype=torch.int64)
+        session = InferenceSession(self.client, len(self.prompt) + s.max_tokens)
+        try:
+            hidden = await self._in_pool(self.head.embed, ids)
+            for produced in range(s.max_tokens):
+                out = await session.step(hidden)
+                tokens = await self._in_pool(self._next_tokens, sampler, out[:, -1])
+                if self.first_token_s is None:
+                    self.first_token_s = time.perf_counter() - started
+                deltas = self._advance(tokens, last=produced == s.max_tokens - 1)
+                if deltas:
+                    yield deltas
+                if all(c.finish_reason for c in self.choices):
+                    return
+                hidden = await self._in_pool(self.head.embed, torch.tensor(tokens, dtype=torch.int64)[:, None])
+        finally:
+            self.failovers = list(session.failovers)
+            # closed even if this task is being cancelled: the peers free the session's cache now
+            await asyncio.shield(session.close())
+
+    def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> list[int]:
+        return sampler(self.head.logits(hidden))
+
+    def _advance(self, tokens: list[int], last: bool) -> list[Delta]:
+        deltas = []
+        for choice, token in zip(self.choices, tokens):
+            if choice.finish_reason:
+                continue
+            choice.ids.append(token)
+            ended = token in self.end_tokens
+            text = self.tokenizer.decode(choice.ids[:-1] if ended else choice.ids, skip_special_tokens=True)
+            finish = "stop" if ended else None
+            cut = min((i for i in (text.find(stop) for stop in self.sampling.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            elif finish is None and last:
+                finish = "length"
+            visible = text if finish else text[:len(text) - held_back(text, self.sampling.stop)]
+            new = visible[len(choice.text):] if visible.startswith(choice.text) else ""
+            choice.text += new
+            choice.finish_reason = finish
+            if new or finish:
+                deltas.append(Delta(choice.index, new, finish))
+        return deltas
