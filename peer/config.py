@@ -49,8 +49,10 @@ class PeerConfig:
     max_queue: int = option(256, help="steps waiting for compute at most; beyond that requests get 'busy'")
     announce_interval: float = option(20.0, help="seconds between re-announcements")
     record_ttl: float = option(60.0, help="seconds an announcement stays valid without re-announcement")
-    metrics_port: int | None = option(None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free "
-                                      "port; default: off)")
+    metrics_port: int | None = option(None, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: "
+                                      "any free port; default: off)")
+    metrics_host: str = option("127.0.0.1", help="address the metrics listen on (0.0.0.0 to let another machine "
+                               "scrape them)")
 
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
@@ -66,5 +68,5 @@ class PeerConfig:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port")
-        if self.metrics_port == self.port != 0:
+        if self.metrics_port == self.port != 0 and self.metrics_host == self.host:
             raise ConfigError(f"--metrics-port and --port are both {self.port}: give metrics a port of its own")

@@ -26,6 +26,7 @@ from peer.sessions import SessionTable
 from swarm import __version__, discovery, selection, wire
 from swarm.blocks import SpanBlocks
 from swarm.checkpoint import Checkpoint, parse_dtype
+from swarm.errors import ConfigError
 from swarm.identity import Identity, load_or_create
 from swarm.records import check_model_id, default_model_id
 from swarm.span import Span
@@ -87,6 +88,25 @@ def measure(blocks: SpanBlocks, dtype: torch.dtype) -> tuple[float, float]:
     return round(decode, 2), round(prefill, 2)
 
 
+@contextlib.asynccontextmanager
+async def metrics_endpoint(metrics: PeerMetrics, config: PeerConfig, name: str):
+    """`/metrics` on --metrics-host:--metrics-port for the peer's whole life, if asked for. Bound before the
+    blocks load, so a port in use stops the peer before it announces anything."""
+    if config.metrics_port is None:
+        yield None
+        return
+    try:
+        server = await metrics.serve(config.metrics_host, config.metrics_port)
+    except OSError as e:
+        raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port} "
+                          f"({e.strerror or e}); choose another --metrics-port") from None
+    logger.info("peer %s metrics at %s/metrics", name, server.url)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
 async def serve(config: PeerConfig, stop: asyncio.Event,
                 on_ready: Callable[[PeerReady], None] | None = None) -> None:
     """Run a peer until `stop` is set."""
@@ -96,8 +116,10 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     model_id = config.model_id or default_model_id(config.model)
     check_model_id(model_id)
     dtype = parse_dtype(config.dtype)
+    metrics = PeerMetrics()
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
-                    announce_host=config.announce_host, initial_peers=config.initial_peers) as node:
+                    announce_host=config.announce_host, initial_peers=config.initial_peers) as node, \
+            metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
         name = describe_peer(node.peer_id)
         span = await choose_blocks(node, ckpt, model_id, config)
         announcer = Announcer(node, identity, model_id, span, ckpt.num_blocks, config.record_ttl)
@@ -108,7 +130,6 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
         sessions = SessionTable(config.cache_tokens, config.max_sessions)
         served = Served(node.peer_id, model_id, span, __version__, throughput, prefill_tps)
         with Runtime(config.max_queue) as runtime:
-            metrics = PeerMetrics()
             servicer = Servicer(config, served, blocks, runtime, sessions, metrics)
             metrics.watch(servicer.info)
             await node.serve(wire.SESSION_PROTOCOL, servicer.serve_session)
@@ -124,11 +145,7 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                         throughput, maddrs[0] if maddrs else "?")
             if on_ready is not None:
                 on_ready(PeerReady(node.peer_id, model_id, span, maddrs))
-            metrics_server = None
             try:
-                if config.metrics_port is not None:
-                    metrics_server = await metrics.serve(config.host, config.metrics_port)
-                    logger.info("peer %s metrics at %s/metrics", name, metrics_server.url)
                 while not stop.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), config.announce_interval)
@@ -139,7 +156,5 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                             logger.warning("peer %s: re-announcement failed", name, exc_info=True)
             finally:
                 logger.info("peer %s leaving: announcing blocks %s offline", name, span)
-                if metrics_server is not None:
-                    await metrics_server.close()
                 with contextlib.suppress(Exception):  # leaving anyway: records expire if this fails
                     await asyncio.wait_for(asyncio.shield(announce("offline")), 5)

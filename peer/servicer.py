@@ -92,8 +92,13 @@ class Servicer:
         self.errors[err.code] = self.errors.get(err.code, 0) + 1
         self.metrics.failed(err.code)
 
-    async def _send(self, stream: Stream, msg: wire.Message) -> None:
-        await asyncio.wait_for(wire.write_message(stream.writer, msg), self.config.step_timeout)
+    async def _send(self, stream: Stream, msg: wire.Message) -> bool:
+        """Write `msg`; False if the client is gone (its stream broke or stopped reading)."""
+        try:
+            await asyncio.wait_for(wire.write_message(stream.writer, msg), self.config.step_timeout)
+            return True
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            return False
 
     async def _receive(self, stream: Stream, timeout: float) -> wire.Message:
         return await asyncio.wait_for(wire.read_message(stream.reader, self.config.max_request_bytes), timeout)
@@ -101,20 +106,23 @@ class Servicer:
     async def _answer(self, stream: Stream, handle, msg: wire.Message) -> bool:
         """Run `handle(msg)` and send its reply or its error; False if the stream must end."""
         received = time.perf_counter()
+        keep = True
         try:
-            await self._send(stream, await handle(msg))
-            if msg.type == wire.STEP:
-                self.metrics.step_replied(time.perf_counter() - received)
-            return True
+            reply = await handle(msg)
         except SwarmError as e:
             self._count(e)
-            await self._send(stream, wire.error_message(e, step=msg.fields.get("step")))
-            return not isinstance(e, (ProtocolError, UnknownSession))
+            reply = wire.error_message(e, step=msg.fields.get("step"))
+            keep = not isinstance(e, (ProtocolError, UnknownSession))
         except Exception as e:  # boundary: a bug in one request is reported, the peer keeps serving
             logger.exception("request %s from %s failed", msg.type, describe_peer(stream.remote))
             self._count(SwarmError())
-            await self._send(stream, wire.error_message(SwarmError(f"internal error: {type(e).__name__}")))
-            return True
+            reply = wire.error_message(SwarmError(f"internal error: {type(e).__name__}"))
+        if not await self._send(stream, reply):
+            logger.debug("%s went away before the reply to %s", describe_peer(stream.remote), msg.type)
+            return False  # a client that left is not an error of ours
+        if msg.type == wire.STEP and reply.type == wire.OUTPUT:
+            self.metrics.step_replied(time.perf_counter() - received)
+        return keep
 
     # ---- session protocol ----
 

@@ -8,6 +8,7 @@ figure is checked as a difference between two scrapes, so the peer's self-measur
 from __future__ import annotations
 
 import re
+import socket
 import urllib.request
 
 import pytest
@@ -144,3 +145,16 @@ def test_forwards_are_counted(metered, url, node, loop):
         assert after[name] - before[name] == 1, name
     assert after["swarm_peer_tokens_total"] - before["swarm_peer_tokens_total"] == 3 * 4
     assert after["swarm_peer_steps_total"] == before["swarm_peer_steps_total"]
+
+
+def test_a_metrics_port_in_use_stops_the_peer_before_it_serves(metered, tiny_llama):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = metered.start_peer("clash", tiny_llama, "--blocks", "0:6", "--metrics-port", str(port), *PEER_OPTIONS,
+                                  wait=False)
+        assert proc.popen.wait(60) == 1
+    text = proc.text()
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in text and "choose another --metrics-port" in text
+    assert "serving blocks" not in text and "loading blocks" not in text and "Traceback" not in text

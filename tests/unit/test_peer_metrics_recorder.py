@@ -89,3 +89,39 @@ def test_metrics_port_is_checked(port, port_in_use, message):
 def test_metrics_are_off_by_default_and_any_free_port_is_allowed():
     assert PeerConfig(model=Path("m")).metrics_port is None
     assert PeerConfig(model=Path("m"), metrics_port=0).metrics_port == 0
+
+
+class _GoneWriter:
+    """A stream writer whose client has gone: every write fails as a reset connection does."""
+
+    def write(self, data) -> None:
+        raise ConnectionResetError("reset by peer")
+
+    async def drain(self) -> None:
+        raise ConnectionResetError("reset by peer")
+
+
+def test_a_client_gone_before_the_reply_is_not_an_error_of_the_peer():
+    import asyncio
+
+    from peer.servicer import Servicer
+    from swarm import wire
+    from swarm.errors import BadRequest
+    from swarm.transport import Stream
+
+    servicer = Servicer.__new__(Servicer)  # `_answer` needs only the config, the metrics and the error counts
+    servicer.config, servicer.metrics, servicer.errors = PeerConfig(model=Path("m")), PeerMetrics(), {}
+    stream = Stream(None, _GoneWriter(), "peer")
+
+    async def ok(msg):
+        return wire.Message(wire.INFO, {"ok": True})
+
+    async def refused(msg):
+        raise BadRequest("no")
+
+    assert asyncio.run(servicer._answer(stream, ok, wire.Message(wire.INFO))) is False
+    assert servicer.errors == {}
+    assert asyncio.run(servicer._answer(stream, refused, wire.Message(wire.INFO))) is False
+    assert servicer.errors == {"bad_request": 1}  # the request's own error counts, the lost reply does not
+    text = generate_latest(servicer.metrics.registry).decode()
+    assert 'swarm_peer_errors_total{code="internal"}' not in text
