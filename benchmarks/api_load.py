@@ -51,6 +51,8 @@ def one_request(client: openai.OpenAI, model: str, tokens: int) -> dict:
             first = time.perf_counter()
         if chunk.usage is not None:
             usage = chunk.usage
+    if first is None or usage is None:
+        raise RuntimeError("the stream carried no text or no usage chunk")
     return {"ttft": first - started, "total": time.perf_counter() - started, "tokens": usage.completion_tokens}
 
 

@@ -42,6 +42,9 @@ from swarm.errors import ConfigError, NoRoute, SwarmError
 logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+STREAMING = web.RequestKey("streaming", bool)  # set once a response's head is sent: errors go into the stream
+CHARS_PER_TOKEN = 16  # a prompt longer than context x this many characters cannot fit: refused untokenized
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -86,15 +89,25 @@ def _integer(body: dict, name: str, lo: int, hi: int, what: str = "") -> int | N
     return value
 
 
+def _unicode(text: str, param: str) -> str:
+    """`text`, if it can be encoded (JSON allows lone surrogate escapes, tokenizers do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(param, f"'{param}' is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_STRINGS \
-            or not all(isinstance(s, str) and s for s in stops):
-        raise invalid("stop", f"'stop' must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} of them")
-    return tuple(stops)
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS \
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise invalid("stop", f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings, each of 1 to "
+                      f"{MAX_STOP_CHARS} characters")
+    return tuple(_unicode(s, "stop") for s in stops)
 
 
 def _unsupported(body: dict, names: dict[str, Callable[[Any], bool]]) -> None:
@@ -105,14 +118,14 @@ def _unsupported(body: dict, names: dict[str, Callable[[Any], bool]]) -> None:
 
 def _text_content(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode(content, where)
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise invalid(where, f"'{where}' may hold only text parts ({{\"type\": \"text\", \"text\": ...}})")
             parts.append(part["text"])
-        return "".join(parts)
+        return _unicode("".join(parts), where)
     raise invalid(where, f"'{where}' must be a string or a list of text parts")
 
 
@@ -139,6 +152,8 @@ def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
+    if options and not isinstance(options.get("include_usage", False), bool):
+        raise invalid("stream_options", "'stream_options.include_usage' must be a boolean")
     include_usage = bool(stream and options and options.get("include_usage"))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(param)
@@ -174,6 +189,9 @@ class Gateway:
         self.model_id, self.context_length, self.end_tokens = model_id, context_length, end_tokens
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="api-head")
+        # one thread: a huge prompt delays other prompts' tokenizing, never the running generations
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-tokenize")
+        self.closing: set[asyncio.Task] = set()  # generations' peer sessions being closed
         self.slots = asyncio.Semaphore(config.max_generations)
         self.waiting = 0
         self.running = 0
@@ -223,15 +241,39 @@ class Gateway:
     async def close(self) -> None:
         if self.server is not None:
             await self.server.close()
+        if self.closing:  # let the peers hear that our sessions ended before the node goes away
+            await asyncio.wait(list(self.closing), timeout=3)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # ---- plumbing ----
+
+    def _cors(self) -> dict[str, str]:
+        return {"Access-Control-Allow-Origin": self.config.allow_origin} if self.config.allow_origin else {}
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+        if request.method == "OPTIONS" and self.config.allow_origin:  # a browser's preflight
+            return web.Response(status=204, headers={
+                **self._cors(), "Access-Control-Allow-Methods": "GET, POST, OPTIONS", "Access-Control-Max-Age": "600",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                    "Authorization, Content-Type")})
         try:
             response = await handler(request)
+        except Exception:
+            if request.get(STREAMING):  # the response has started: nothing else can be sent on it
+                raise
+            response = self._error_response(request)
+        if not response.prepared:
+            response.headers.update(self._cors())
+        self.m_requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    def _error_response(self, request: web.Request) -> web.StreamResponse:
+        """The OpenAI error object for the exception being handled."""
+        try:
+            raise
         except ApiError as e:
             response = e.response()
         except web.HTTPRequestEntityTooLarge as e:
@@ -242,12 +284,12 @@ class Gateway:
             if e.status < 400:
                 raise
             kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}
             response = ApiError(e.status, e.reason if e.status != 404 else f"no such path: {request.path}",
-                                code=kind).response()
+                                code=kind, headers=allow).response()
         except Exception:  # boundary: a bug in one request is answered as such; the server keeps serving
             logger.exception("%s %s failed", request.method, request.path)
             response = ApiError(500, "internal error", type="server_error", code="internal").response()
-        self.m_requests.labels(endpoint, str(response.status)).inc()
         return response
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -270,21 +312,25 @@ class Gateway:
                            param="model", code="model_not_found")
         return body
 
-    async def _tokenize(self, fn: Callable, *args) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _tokenize(self, chars: int, param: str, fn: Callable) -> list[int]:
+        if chars > self.context_length * CHARS_PER_TOKEN:
+            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
+                           f"{param} has {chars} characters", param=param, code="context_length_exceeded")
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn)
 
-    def _sized(self, sampling: Sampling, prompt: list[int], default_max: int) -> Sampling:
-        """`sampling` with max_tokens settled, after checking the prompt against the context length."""
+    def _sized(self, sampling: Sampling, prompt: list[int], default_max: int, body: dict, param: str) -> Sampling:
+        """`sampling` with max_tokens settled (`default_max` if not given), after checking the prompt
+        against the context length."""
         room = self.context_length - len(prompt)
         if room < 1:
-            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the prompt "
-                           f"has {len(prompt)}", param="messages" if default_max else "prompt",
-                           code="context_length_exceeded")
-        max_tokens = sampling.max_tokens or min(default_max or room, room)
+            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
+                           f"{param} has {len(prompt)}", param=param, code="context_length_exceeded")
+        max_tokens = sampling.max_tokens or min(default_max, room)
         if max_tokens > room:
+            given = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; you asked "
-                           f"for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the "
-                           "completion)", param="max_tokens", code="context_length_exceeded")
+                           f"for {len(prompt) + max_tokens} ({len(prompt)} in the {param}, {max_tokens} in the "
+                           "completion)", param=given, code="context_length_exceeded")
         return Sampling(**{**sampling.__dict__, "max_tokens": max_tokens})
 
     # ---- endpoints ----
@@ -308,7 +354,8 @@ class Gateway:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = await self._tokenize(lambda: self.tokenizer(prompt).input_ids)
+            _unicode(prompt, "prompt")
+            ids = await self._tokenize(len(prompt), "prompt", lambda: self.tokenizer(prompt).input_ids)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             if not all(0 <= t < self.head.vocab_size for t in prompt):
                 raise invalid("prompt", f"token ids must lie in [0, {self.head.vocab_size})")
@@ -317,7 +364,7 @@ class Gateway:
             raise invalid("prompt", "'prompt' must be a string, a list of token ids, or a list holding one of these")
         if not ids:
             raise invalid("prompt", "the prompt is empty")
-        sampling = self._sized(sampling, ids, 16 if sampling.max_tokens == 0 else 0)
+        sampling = self._sized(sampling, ids, 16, body, "prompt")  # OpenAI's default max_tokens for completions
         return await self._generate(request, "text_completion", ids, sampling, stream, include_usage)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -327,10 +374,19 @@ class Gateway:
         if not self.tokenizer.chat_template:
             raise ApiError(400, f"the model '{self.model_id}' has no chat template: use /v1/completions",
                            code="no_chat_template")
-        ids = await self._tokenize(lambda: list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
-        sampling = self._sized(sampling, ids, self.config.max_tokens)
+        chars = sum(len(m["content"]) for m in messages)
+        ids = await self._tokenize(chars, "messages", lambda: self._chat_ids(messages))
+        sampling = self._sized(sampling, ids, self.config.max_tokens, body, "messages")
         return await self._generate(request, "chat.completion", ids, sampling, stream, include_usage)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+        except (TemplateError, ValueError, TypeError) as e:  # templates refuse, e.g., a system role
+            raise invalid("messages", f"the model's chat template refused these messages: {e}") from None
 
     # ---- generation ----
 
@@ -353,50 +409,23 @@ class Gateway:
         started = time.perf_counter()
         gen = Generation(self.client, self.head, self.tokenizer, self.executor, prompt, sampling, self.end_tokens)
         events = gen.run()
-        out = _Output(kind, self.model_id, sampling.n)
         try:
-            try:  # the prompt runs before any header is sent, so its errors keep their status
-                first = await anext(events, [])
-                self.m_ttft.observe(gen.first_token_s or 0.0)
-                last = time.perf_counter()
-                if not stream:
-                    out.add(first)
-                    async for deltas in events:
-                        now = time.perf_counter()
-                        self.m_token_seconds.observe(now - last)
-                        last = now
-                        out.add(deltas)
-                    return web.json_response(out.whole(gen))
-            except SwarmError as e:
-                raise _api_error(e, self.config.retry_after) from None
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Accel-Buffering": "no"})
-            await response.prepare(request)
-            for chunk in out.opening():
-                await _send(response, chunk)
-            await _send(response, out.chunk(first))
             try:
-                async for deltas in events:
-                    now = time.perf_counter()
-                    self.m_token_seconds.observe(now - last)
-                    last = now
-                    await _send(response, out.chunk(deltas))
-            except SwarmError as e:  # the stream has started: the error goes in it
-                await _send(response, _api_error(e, self.config.retry_after).body())
-            else:
-                if include_usage:
-                    await _send(response, out.usage_chunk(gen))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            return response
-        except asyncio.CancelledError:
+                return await self._respond(request, gen, events, _Output(kind, self.model_id, sampling.n), stream,
+                                           include_usage)
+            finally:
+                self.running -= 1
+                self.slots.release()
+                await events.aclose()  # ends the generation; its peer sessions close in `gen.closing`
+                if gen.closing is not None:
+                    self.closing.add(gen.closing)
+                    gen.closing.add_done_callback(self.closing.discard)
+        except (asyncio.CancelledError, _ClientGone) as e:
             self.m_cancelled.inc()
-            logger.info("%s: client went away after %d tokens; generation cancelled", endpoint, gen.completion_tokens)
+            logger.info("%s: client went away after %d tokens (%s); generation cancelled", endpoint,
+                        gen.completion_tokens, e if isinstance(e, _ClientGone) else "disconnected")
             raise
         finally:
-            await events.aclose()
-            self.running -= 1
-            self.slots.release()
             self.m_seconds.labels(endpoint).observe(time.perf_counter() - started)
             self.m_tokens.labels("prompt").inc(gen.prompt_tokens)
             self.m_tokens.labels("completion").inc(gen.completion_tokens)
@@ -406,6 +435,74 @@ class Gateway:
                         gen.prompt_tokens, gen.completion_tokens, time.perf_counter() - started,
                         gen.first_token_s or 0.0, f", {len(gen.failovers)} failovers" if gen.failovers else "")
 
+    def _timed(self, last: list[float]) -> None:
+        now = time.perf_counter()
+        self.m_token_seconds.observe(now - last[0])
+        last[0] = now
+
+    async def _respond(self, request: web.Request, gen: Generation, events, out: _Output, stream: bool,
+                       include_usage: bool) -> web.StreamResponse:
+        try:  # the prompt runs before any header is sent, so its errors keep their status
+            first = await anext(events, [])
+            self.m_ttft.observe(gen.first_token_s or 0.0)
+            last = [time.perf_counter()]
+            if not stream:
+                out.add(first)
+                async for deltas in events:
+                    self._timed(last)
+                    out.add(deltas)
+                return web.json_response(out.whole(gen))
+        except SwarmError as e:
+            raise _api_error(e, self.config.retry_after) from None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no", **self._cors()})
+        await response.prepare(request)
+        request[STREAMING] = True
+        writer = _Writer(request, response, self.config.write_timeout)
+        try:
+            for chunk in out.opening() + out.chunks(first):
+                await writer.send(chunk)
+            async for deltas in events:
+                self._timed(last)
+                for chunk in out.chunks(deltas):
+                    await writer.send(chunk)
+            if include_usage:
+                await writer.send(out.usage_chunk(gen))
+        except SwarmError as e:  # the stream has started: the error goes in it
+            await writer.send(_api_error(e, self.config.retry_after).body())
+        except (_ClientGone, asyncio.CancelledError):
+            raise
+        except Exception:  # boundary: a bug ends this stream with an error event; the server keeps serving
+            logger.exception("%s failed during its stream", request.path)
+            await writer.send(ApiError(500, "internal error", type="server_error", code="internal").body())
+        await writer.send_raw(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _ClientGone(Exception):
+    """The client of a stream stopped reading or went away."""
+
+
+class _Writer:
+    """Writes server-sent events; a client that takes more than `timeout` seconds to accept one (it
+    stopped reading) is cut off, so it cannot hold a generation slot and peer sessions forever."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, timeout: float):
+        self.request, self.response, self.timeout = request, response, timeout
+
+    async def send(self, data: dict[str, Any]) -> None:
+        await self.send_raw(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
+
+    async def send_raw(self, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.response.write(data), self.timeout)
+        except (asyncio.TimeoutError, ConnectionError) as e:
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise _ClientGone("it stopped reading" if isinstance(e, asyncio.TimeoutError) else "connection lost") \
+                from None
+
 
 def _api_error(err: SwarmError, retry_after: int) -> ApiError:
     if isinstance(err, NoRoute):
@@ -414,10 +511,6 @@ def _api_error(err: SwarmError, retry_after: int) -> ApiError:
     if err.code == "bad_request":
         return ApiError(400, str(err), code="bad_request")
     return ApiError(502, f"the swarm failed: {err}", type="server_error", code=err.code)
-
-
-async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
 
 
 class _Output:
@@ -449,20 +542,21 @@ class _Output:
         return {**self._head(self.kind), "choices": choices, "usage": _usage(gen)}
 
     def opening(self) -> list[dict[str, Any]]:
-        """Chat streams start with the assistant role for every choice."""
+        """Chat streams start with the assistant role, one chunk per choice."""
         if not self.chat:
             return []
         return [{**self._head("chat.completion.chunk"), "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-            for i in range(self.n)]}]
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}
+            for i in range(self.n)]
 
-    def chunk(self, deltas) -> dict[str, Any]:
+    def chunks(self, deltas) -> list[dict[str, Any]]:
+        """One chunk per choice's delta, as OpenAI sends them (clients read `choices[0]`)."""
         if self.chat:
-            choices = [{"index": d.index, "delta": {"content": d.text} if d.text else {},
-                        "finish_reason": d.finish_reason, "logprobs": None} for d in deltas]
-            return {**self._head("chat.completion.chunk"), "choices": choices}
-        return {**self._head("text_completion"), "choices": [
-            {"index": d.index, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None} for d in deltas]}
+            return [{**self._head("chat.completion.chunk"), "choices": [
+                {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                 "finish_reason": d.finish_reason, "logprobs": None}]} for d in deltas]
+        return [{**self._head("text_completion"), "choices": [
+            {"index": d.index, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}]} for d in deltas]
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

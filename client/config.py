@@ -47,12 +47,15 @@ class ApiConfig:
     header_timeout: float = option(10.0, help="seconds a connection may take to send a request's headers (and "
                                    "stay idle between requests)")
     body_timeout: float = option(30.0, help="seconds a request's body may take to arrive")
+    write_timeout: float = option(30.0, help="seconds a streaming client may stop reading before it is cut off")
     max_body_bytes: int = option(1 << 20, help="largest request body in bytes")
     retry_after: int = option(5, help="seconds clients are told to wait (Retry-After) when blocks are uncovered")
+    allow_origin: str | None = option(None, help="let web pages from this origin call the API from a browser "
+                                      "(CORS), e.g. '*' for any (default: none)")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_tokens", "max_generations", "max_queue", "max_n", "max_connections",
-                              "header_timeout", "body_timeout", "max_body_bytes", "retry_after"),
+                              "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after"),
                        ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port")

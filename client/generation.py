@@ -10,9 +10,13 @@ tokens generated so far, temperature, nucleus (top-p). Temperature 0 is greedy: 
 same token transformers' greedy search picks from the same logits. A seed makes sampling
 reproducible (choice i uses seed + i).
 
-Text and stop strings: each choice's text is the decoding of its tokens (special tokens skipped).
-Text that could still become a stop string, or an incomplete character, is held back until it is
-known; a stop string ends the choice and is not part of its text.
+Text and stop strings: text is decoded incrementally, the way streaming servers do it: each new token
+is decoded together with the few tokens before it (the prompt's last tokens at first), and only what
+that adds to their own decoding is new text. So tokenizers whose decoders strip a leading space or
+spell a character over several byte tokens give the same text as decoding everything at once, and
+an incomplete character waits for its last byte. Text that could still become a stop string is held
+back until it is known; a stop string ends the choice and is not part of its text. Special tokens are
+skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from client.session import Failover, InferenceSession
 from client.swarm_client import SwarmClient
+from swarm.errors import SwarmError
 from swarm.head import ModelHead
 
 
@@ -52,10 +57,18 @@ class Delta:
     finish_reason: str | None = None
 
 
+CONTEXT_TOKENS = 6  # tokens decoded before a new one, so that its text is decoded in context
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by it would overflow)
+
+
 @dataclass
 class Choice:
     index: int
     ids: list[int] = field(default_factory=list)  # generated tokens, an end token included
+    context: list[int] = field(default_factory=list)  # the prompt's last tokens, then the generated ones
+    prefix_offset: int = 0  # context[prefix_offset:read_offset] is text already decoded
+    read_offset: int = 0
+    decoded: str = ""  # all text decoded so far
     text: str = ""  # the text given out so far (all of it once finished)
     finish_reason: str | None = None
 
@@ -102,7 +115,10 @@ class Sampler:
         logits = logits.float()
         if s.presence_penalty or s.frequency_penalty:
             logits = logits - s.frequency_penalty * self.counts - s.presence_penalty * (self.counts > 0).float()
-        if s.temperature == 0:
+        if not torch.isfinite(logits).all():
+            raise SwarmError("the swarm returned non-finite activations (a faulty peer, or an overflow in "
+                             "a half-precision peer)")
+        if s.temperature < MIN_TEMPERATURE:
             tokens = logits.argmax(-1)
         else:
             probs = torch.softmax(logits / s.temperature, dim=-1)
@@ -127,9 +143,12 @@ class Generation:
                  sampling: Sampling, end_tokens: list[int]):
         self.client, self.head, self.tokenizer, self.executor = client, head, tokenizer, executor
         self.prompt, self.sampling, self.end_tokens = prompt, sampling, set(end_tokens)
-        self.choices = [Choice(i) for i in range(sampling.n)]
+        context = prompt[-CONTEXT_TOKENS:]
+        self.choices = [Choice(i, context=list(context), prefix_offset=0, read_offset=len(context))
+                        for i in range(sampling.n)]
         self.failovers: list[Failover] = []
         self.first_token_s: float | None = None
+        self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
 
     @property
     def prompt_tokens(self) -> int:
@@ -163,28 +182,46 @@ class Generation:
                 hidden = await self._in_pool(self.head.embed, torch.tensor(tokens, dtype=torch.int64)[:, None])
         finally:
             self.failovers = list(session.failovers)
-            # closed even if this task is being cancelled: the peers free the session's cache now
-            await asyncio.shield(session.close())
+            # closed in a task of its own: it completes even if this one is being cancelled, and the
+            # response need not wait for it (the owner may wait for `closing` before shutting down)
+            self.closing = asyncio.ensure_future(session.close())
 
     def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> list[int]:
         return sampler(self.head.logits(hidden))
 
+    def _decode_next(self, choice: Choice, flush: bool) -> str:
+        """The text the choice's newest context token adds; '' while it ends in an incomplete character
+        (unless `flush`)."""
+        prefix = self.tokenizer.decode(choice.context[choice.prefix_offset:choice.read_offset],
+                                       skip_special_tokens=True)
+        whole = self.tokenizer.decode(choice.context[choice.prefix_offset:], skip_special_tokens=True)
+        if len(whole) > len(prefix) and (flush or not whole.endswith("\ufffd")):
+            choice.prefix_offset, choice.read_offset = choice.read_offset, len(choice.context)
+            return whole[len(prefix):]
+        return ""
+
     def _advance(self, tokens: list[int], last: bool) -> list[Delta]:
+        stops = self.sampling.stop
+        longest = max((len(stop) for stop in stops), default=0)
         deltas = []
         for choice, token in zip(self.choices, tokens):
             if choice.finish_reason:
                 continue
             choice.ids.append(token)
             ended = token in self.end_tokens
-            text = self.tokenizer.decode(choice.ids[:-1] if ended else choice.ids, skip_special_tokens=True)
-            finish = "stop" if ended else None
-            cut = min((i for i in (text.find(stop) for stop in self.sampling.stop) if i >= 0), default=-1)
+            if not ended:
+                choice.context.append(token)
+            finish = "stop" if ended else ("length" if last else None)
+            before = len(choice.decoded)
+            choice.decoded += self._decode_next(choice, flush=finish is not None)
+            text = choice.decoded
+            # a stop string not found before cannot start before the new text, less its own length
+            start = max(0, min(before, len(choice.text)) - longest)
+            cut = min((i for i in (text.find(stop, start) for stop in stops) if i >= 0), default=-1)
             if cut >= 0:
                 text, finish = text[:cut], "stop"
-            elif finish is None and last:
-                finish = "length"
-            visible = text if finish else text[:len(text) - held_back(text, self.sampling.stop)]
-            new = visible[len(choice.text):] if visible.startswith(choice.text) else ""
+            visible = text if finish else text[:len(text) - held_back(text, stops)]
+            new = visible[len(choice.text):]
             choice.text += new
             choice.finish_reason = finish
             if new or finish:

@@ -5,9 +5,9 @@
 - a connection is closed when it spends more than `header_timeout` seconds outside a request handler,
   that is, while its request line and headers trickle in, or idle between keep-alive requests;
 - at most `max_connections` are open; at the cap, a new connection evicts the connection that has
-  waited longest for its headers, so a flood of slow-header connections cannot lock real clients out.
-  If every connection is inside a handler (or was accepted in the same burst), the new one gets 503 and is
-  closed;
+  waited longest for its headers or is still sending its body, so a flood of slow connections cannot
+  lock real clients out. If every connection is inside a handler past its body (or was accepted in the
+  same burst), the new one gets 503 and is closed;
 - a client that disconnects cancels its handler (aiohttp's `handler_cancellation`), so the work it
   started (a generation, its peer sessions) is released at once.
 
@@ -74,6 +74,7 @@ class _Guard:
         self.server: web.Server | None = None
         self.waiting_since: dict[object, float] = {}  # connection -> when it last left a handler
         self.in_handler: dict[object, int] = {}
+        self.reading: set[object] = set()  # in a handler, but its request body has not all arrived yet
         self.accepting: set[object] = set()  # created in this loop turn, not yet listed by the server
         self.evicted = 0
         self.refused = 0
@@ -85,7 +86,7 @@ class _Guard:
         # them: those count too; connections already closed (evicted) but not yet forgotten do not
         open_now = [c for c in self.server.connections if c.transport is not None]
         if len(open_now) + len(self.accepting) >= self.limits.max_connections:
-            waiting = [c for c in open_now if not self.in_handler.get(c)]
+            waiting = [c for c in open_now if not self.in_handler.get(c) or c in self.reading]
             if not waiting:
                 self.refused += 1
                 return _Refuse()
@@ -102,15 +103,19 @@ class _Guard:
     def _close(self, conn) -> None:
         self.waiting_since.pop(conn, None)
         self.in_handler.pop(conn, None)
+        self.reading.discard(conn)
         conn.force_close()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         conn = request.protocol
         self.in_handler[conn] = self.in_handler.get(conn, 0) + 1
+        if request.body_exists:
+            self.reading.add(conn)  # until `read_body` has it all
         try:
             return await handler(request)
         finally:
+            self.reading.discard(conn)
             left = self.in_handler.get(conn, 1) - 1
             if left > 0:
                 self.in_handler[conn] = left
@@ -137,6 +142,7 @@ class _Guard:
             for conn in list(self.in_handler):
                 if conn not in live and conn not in self.waiting_since:
                     self.in_handler.pop(conn, None)
+                    self.reading.discard(conn)
 
     def open_connections(self) -> int:
         return len(self.server.connections) if self.server is not None else 0
@@ -170,6 +176,9 @@ class HttpServer:
         await self.runner.cleanup()
 
 
+_GUARD = web.AppKey("connection_guard", _Guard)
+
+
 def make_app(limits: Limits = Limits()) -> web.Application:
     """An application whose request bodies are capped at `limits.max_body_bytes`."""
     return web.Application(client_max_size=limits.max_body_bytes)
@@ -177,6 +186,7 @@ def make_app(limits: Limits = Limits()) -> web.Application:
 
 async def start(app: web.Application, host: str, port: int, limits: Limits = Limits()) -> HttpServer:
     guard = _Guard(limits)
+    app[_GUARD] = guard
     app.middlewares.insert(0, guard.middleware)
     # aiohttp's own keep-alive timer is only a fallback here: the guard's sweep closes first, and counts it
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=limits.shutdown_timeout,
@@ -199,4 +209,8 @@ async def read_body(request: web.Request, limits: Limits) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limits.max_body_bytes:
         raise web.HTTPRequestEntityTooLarge(max_size=limits.max_body_bytes, actual_size=declared)
-    return await asyncio.wait_for(request.read(), limits.body_timeout)
+    body = await asyncio.wait_for(request.read(), limits.body_timeout)
+    guard = request.app.get(_GUARD)
+    if guard is not None:
+        guard.reading.discard(request.protocol)  # from now on the request is real work: never evicted
+    return body

@@ -41,7 +41,8 @@ def test_every_field_in_range_is_taken():
 
 
 @pytest.mark.parametrize("stop, expected", [("x", ("x",)), (["x"], ("x",)), (["\n", "END"], ("\n", "END")),
-                                            (["s"] * MAX_STOP_STRINGS, ("s",) * MAX_STOP_STRINGS), (None, ())])
+                                            (["s"] * MAX_STOP_STRINGS, ("s",) * MAX_STOP_STRINGS), (None, ()),
+                                            ([], ())])
 def test_stop_as_string_or_list(stop, expected):
     assert common(stop=stop)[0].stop == expected
 
@@ -98,7 +99,8 @@ def expect_invalid(param: str, fn, *args, code: str | None = "invalid_value") ->
     ("max_tokens", 5.0), ("max_tokens", "5"),
     ("max_completion_tokens", 0), ("max_completion_tokens", CONFIG.max_tokens + 1),
     ("stop", ""), ("stop", [""]), ("stop", ["a", ""]), ("stop", ["s"] * (MAX_STOP_STRINGS + 1)), ("stop", [1]),
-    ("stop", {"a": 1}), ("stop", 5), ("stop", []), ("stop", [None]),
+    ("stop", {"a": 1}), ("stop", 5), ("stop", [None]), ("stop", "x" * 257), ("stop", ["\ud800"]),
+    ("stream_options", {"include_usage": "no"}),
     ("stream", "yes"), ("stream", 1), ("stream_options", ["include_usage"]), ("stream_options", True),
 ])
 def test_bad_values_are_400_naming_the_parameter(name, value):

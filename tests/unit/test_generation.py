@@ -327,3 +327,49 @@ def test_a_tokenizer_without_an_unknown_token():
     tok = byte_tokenizer(("<eos>",), eos_token="<eos>")
     assert tok.unk_token_id is None
     assert stop_token_ids(tok, None) == [tok.eos_token_id]
+
+
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer: '▁' for spaces, characters it lacks spelled as byte tokens, and a decoder
+    that strips the leading space of what it decodes."""
+    from tokenizers import normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for c in "▁abcdefghijklmnopqrstuvwxyzHS?!":
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("answer", ["Hi 中 ok 😀 bad", " leading space", "é!", "😀😀"])
+def test_byte_fallback_and_stripping_decoders_give_the_text_of_decoding_everything(answer):
+    tok = sentencepiece_tokenizer()
+    prompt = tok("Say", add_special_tokens=False).input_ids
+    whole = tok(f"Say {answer}", add_special_tokens=False).input_ids
+    assert whole[:len(prompt)] == prompt
+    generated = whole[len(prompt):]
+    expected = tok.decode(whole)[len(tok.decode(prompt)):]
+    gen = Generation(None, None, tok, None, prompt, Sampling(max_tokens=len(generated) + 1), [2])
+    deltas = feed(gen, [generated + [2]])
+    assert text_of(deltas) == expected == gen.choices[0].text
+    assert "\ufffd" not in text_of(deltas)  # incomplete characters waited for their last byte
+    assert finishes(deltas) == ["stop"]
+
+
+def test_non_finite_logits_are_an_error_of_the_swarm_not_a_crash():
+    from swarm.errors import SwarmError
+
+    s = sampler(temperature=0.7)
+    logits = torch.zeros(1, 50)
+    logits[0, 3] = float("nan")
+    with pytest.raises(SwarmError, match="non-finite"):
+        s(logits)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-6])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    assert sampler(temperature=temperature)(logits) == [int(logits.argmax())]
