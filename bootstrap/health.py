@@ -1,26 +1,32 @@
 """What the health page shows, as plain data: per model, its peers and the blocks nobody serves.
 
 `build_snapshot` is a pure function of the directory records, the results of pinging the peers, the
-models to show (`remember_models`) and the clock; `Snapshot.to_json` is the JSON document of
-`GET /api/v1/swarm` (schema in docs/monitor.md) and `gauges` the figures of `/metrics`.
+models to show and the clock; `Snapshot.to_json` is the JSON document of `GET /api/v1/swarm` (schema
+in docs/monitor.md) and `gauges` the figures of `/metrics`. What the monitor remembers of each model
+between reads (`ModelMemory`) is updated by `list_models` before the pings, ranked by `keep_models`
+(which models to ping and show), and updated again by `learn` after the pings.
 
 Invariants:
-- a block is covered only by a peer whose record says `online` and that answered the ping: liveness is
-  measured, never taken from the record alone;
-- a peer whose record says `online` but that did not answer the ping is shown `unreachable`;
-  `joining` peers are not pinged (they answer info calls only once their blocks are loaded), nor
-  `offline` ones, and are shown as their record says;
+- a block is covered only by a peer whose record says `online` and that answered the ping for the
+  model and span of its record (`confirms`): liveness is measured, never taken from the record alone;
+- a peer whose record says `online` but that did not answer, or answered for another model or span, is
+  shown `unreachable`; `joining` peers are not pinged (they answer info calls only once their blocks
+  are loaded), nor `offline` ones, and are shown as their record says;
+- a model's number of blocks is what most of its confirmed peers announce, never less than the
+  largest end among them; records that no live peer backs cannot change it once such a count exists
+  (before that, the map is as wide as its records vote, and no block of it can look served);
 - every model passed in `models` appears, even with no peer left (then every block is uncovered); a
-  model stays `FORGET_AFTER` seconds after its last record, and `MAX_MODELS` at most are kept (anyone
-  can announce a model);
-- a model's number of blocks is what most of its peers announce, so one peer cannot widen the map.
+  model stays `FORGET_AFTER` seconds after its last record; at most `MAX_MODELS` are kept, and one
+  with a peer that answered is never dropped for one without (anyone can announce a model).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from swarm.records import Announcement
@@ -38,6 +44,17 @@ class Ping:
 
     latency_ms: float
     info: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What the monitor remembers of a model between reads."""
+
+    num_blocks: int  # blocks to draw
+    trusted: bool  # whether `num_blocks` came from peers that answered, or only from records so far
+    listed_at: float  # last time a record of the model was in the directory
+    live_at: float = -math.inf  # last time one of its peers answered for it
+    reachable: int = 0  # peers of it that answered in the last read
 
 
 @dataclass(frozen=True)
@@ -89,16 +106,25 @@ def _as_int(value: Any) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
+def confirms(ann: Announcement, ping: Ping | None) -> bool:
+    """Whether `ping` answered for what `ann` announces: the info reply names its model and span."""
+    if ping is None:
+        return False
+    info = ping.info
+    said = (info.get("model"), _as_int(info.get("start")), _as_int(info.get("end")))
+    return said == (ann.model, ann.start, ann.end)
+
+
 def peer_view(ann: Announcement, ping: Ping | None, now: float) -> PeerView:
     if ann.state in ("joining", "offline"):
         state = ann.state
     else:
-        state = "online" if ping is not None else "unreachable"
-    info = ping.info if ping is not None else {}
+        state = "online" if confirms(ann, ping) else "unreachable"
+    info = ping.info if state == "online" else {}
     cache_left = _as_int(info.get("cache_tokens_left"))
     return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, ann.throughput,
                     ann.cache_tokens_left if cache_left is None else cache_left, _as_int(info.get("sessions")),
-                    ann.version, round(ping.latency_ms, 2) if ping is not None else None,
+                    ann.version, round(ping.latency_ms, 2) if state == "online" else None,
                     round(max(0.0, now - ann.issued_at), 1))
 
 
@@ -112,18 +138,51 @@ def model_view(model: str, num_blocks: int, peers: Sequence[PeerView]) -> ModelV
                      tuple(b for b, n in enumerate(serving) if n == 0))
 
 
-def remember_models(seen: Mapping[str, tuple[int, float]], anns: Sequence[Announcement],
-                    now: float) -> dict[str, tuple[int, float]]:
-    """`seen` (model id -> (number of blocks, last time listed)) updated with the models of `anns`,
-    models older than `FORGET_AFTER` dropped, the `MAX_MODELS` most recently listed kept."""
-    votes: dict[str, Counter] = {}
+def count_blocks(anns: Sequence[Announcement]) -> int:
+    """The number of blocks most of `anns` announce (a tie: the larger), never less than their largest end."""
+    votes = Counter(a.num_blocks for a in anns)
+    return max(max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0], max(a.end for a in anns))
+
+
+def list_models(seen: Mapping[str, ModelMemory], anns: Sequence[Announcement],
+                now: float) -> dict[str, ModelMemory]:
+    """`seen` updated with the models listed in `anns` (directory records), before any ping: a model
+    without a trusted count takes what its records vote for; models older than `FORGET_AFTER` are dropped."""
+    listed: dict[str, list[Announcement]] = {}
     for ann in anns:
-        votes.setdefault(ann.model, Counter())[ann.num_blocks] += 1
+        listed.setdefault(ann.model, []).append(ann)
     updated = dict(seen)
-    for model, counts in votes.items():
-        updated[model] = (max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0], now)
-    recent = sorted(((m, v) for m, v in updated.items() if now - v[1] <= FORGET_AFTER), key=lambda mv: -mv[1][1])
-    return dict(recent[:MAX_MODELS])
+    for model, its in listed.items():
+        known = updated.get(model, ModelMemory(0, False, now))
+        updated[model] = replace(known, num_blocks=known.num_blocks if known.trusted else count_blocks(its),
+                                 listed_at=now)
+    return {m: v for m, v in updated.items() if now - v.listed_at <= FORGET_AFTER}
+
+
+def keep_models(seen: Mapping[str, ModelMemory], rng: random.Random) -> list[str]:
+    """The `MAX_MODELS` models to ping and show, best first: by the peers of each that answered in the last
+    read (so one with a live peer is never dropped for one without), then the last time one answered,
+    then the last time it was listed. Ties are broken at random, so a new model is reached even among
+    more than `MAX_MODELS` models whose peers never answer."""
+    return sorted(seen, key=lambda m: (seen[m].reachable, seen[m].live_at, seen[m].listed_at, rng.random()),
+                  reverse=True)[:MAX_MODELS]
+
+
+def learn(seen: Mapping[str, ModelMemory], kept: Sequence[str], anns: Sequence[Announcement],
+          pings: Mapping[str, Ping], now: float) -> dict[str, ModelMemory]:
+    """What to remember after a read: for each kept model, its peers that answered for it, and the number
+    of blocks they vote for. Models neither kept nor listed now are forgotten, so memory stays bounded."""
+    confirmed: dict[str, list[Announcement]] = {}
+    for ann in anns:
+        if ann.state == "online" and confirms(ann, pings.get(ann.peer)):
+            confirmed.setdefault(ann.model, []).append(ann)
+    listed = {a.model for a in anns}
+    updated = {m: v for m, v in seen.items() if m in kept or m in listed}
+    for model in kept:
+        live = confirmed.get(model, [])
+        updated[model] = replace(seen[model], num_blocks=count_blocks(live), trusted=True, live_at=now,
+                                 reachable=len(live)) if live else replace(seen[model], reachable=0)
+    return updated
 
 
 def build_snapshot(anns: Sequence[Announcement], pings: Mapping[str, Ping], models: Mapping[str, int],

@@ -1,5 +1,6 @@
 """Signed announcements of what this peer serves, stored for every block of its span and once in the
-swarm's directory (`records.DIRECTORY_KEY`, with the model's number of blocks) for health monitors.
+swarm's directory (its bucket `records.directory_key(peer)`, with the model's number of blocks) for
+health monitors.
 
 Sequence numbers only grow, also across restarts with the same identity: each is at least the
 current time in milliseconds. Re-announcing before the TTL runs out keeps the peer visible; a peer
@@ -41,7 +42,8 @@ class Announcer:
                                    float(throughput), float(prefill_tps), int(cache_tokens_left), __version__,
                                    self._next_seq(), now, self.num_blocks)
         expiration = now + self.ttl
-        keys = [records.block_key(self.model_id, block) for block in self.span] + [records.DIRECTORY_KEY]
+        directory = records.directory_key(self.identity.peer_id)
+        keys = [records.block_key(self.model_id, block) for block in self.span] + [directory]
         items = [(key, self.identity.peer_id, records.seal(self.identity, ann, key_id(key), expiration), expiration)
                  for key in keys]
         ok = await self.node.put_records(items)
@@ -49,6 +51,6 @@ class Announcer:
         self.state = state
         if stored < len(self.span):
             logger.warning("announced %s for %d of %d blocks %s", state, stored, len(self.span), self.span)
-        if not ok.get((records.DIRECTORY_KEY, self.identity.peer_id), False):
+        if not ok.get((directory, self.identity.peer_id), False):
             logger.warning("announced %s for blocks %s, but not in the swarm's directory", state, self.span)
         return stored

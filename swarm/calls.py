@@ -15,7 +15,7 @@ from swarm import wire
 from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, error_from_code
 from swarm.transport import Node, Stream
 
-MAX_REPLY_BYTES = 1 << 30
+MAX_REPLY_BYTES = 1 << 30  # tensor bytes of a session or forward reply (hidden states)
 
 
 def raise_if_error(msg: wire.Message) -> None:
@@ -23,14 +23,17 @@ def raise_if_error(msg: wire.Message) -> None:
         raise error_from_code(str(msg.fields.get("code")), str(msg.fields.get("message")))
 
 
-async def exchange(stream: Stream, msg: wire.Message, timeout: float) -> wire.Message:
-    """Send `msg`, read one reply within `timeout` seconds; an ERROR reply is raised as its typed error."""
+async def exchange(stream: Stream, msg: wire.Message, timeout: float,
+                   max_tensor_bytes: int = MAX_REPLY_BYTES) -> wire.Message:
+    """Send `msg`, read one reply within `timeout` seconds; an ERROR reply is raised as its typed error.
+
+    A reply declaring more than `max_tensor_bytes` of tensors is a `ProtocolError`, before any is read."""
     try:
         await wire.write_message(stream.writer, msg)
     except (ConnectionError, OSError) as e:
         raise ConnectionLost(f"peer {stream.remote} closed the stream ({type(e).__name__})") from None
     try:
-        reply = await asyncio.wait_for(wire.read_message(stream.reader, MAX_REPLY_BYTES), timeout)
+        reply = await asyncio.wait_for(wire.read_message(stream.reader, max_tensor_bytes), timeout)
     except asyncio.TimeoutError:  # before OSError: on 3.11 it is the builtin TimeoutError, an OSError
         raise StepTimeout(f"peer {stream.remote} sent no reply within {timeout:.1f} s") from None
     except (EOFError, ConnectionError, OSError):
@@ -43,7 +46,8 @@ async def info(node: Node, peer: str, timeout: float = 10.0) -> dict[str, Any]:
     """The peer's `info` reply fields: what it serves and how loaded it is (see docs/protocol.md)."""
     stream = await node.open(peer, wire.INFO_PROTOCOL)
     try:
-        reply = await exchange(stream, wire.Message(wire.INFO), timeout)
+        # an info reply carries no tensor: an untrusted peer must not make us buffer any (the monitor pings all)
+        reply = await exchange(stream, wire.Message(wire.INFO), timeout, max_tensor_bytes=0)
     finally:
         await stream.aclose()
     if reply.type != wire.INFO:

@@ -30,14 +30,18 @@ async def announcements(node: Node, model_id: str, num_blocks: int) -> dict[int,
 
 
 async def directory(node: Node) -> list[records.Announcement]:
-    """Every peer's directory record (any model, any state): one per peer, sorted by model and span."""
-    found = await node.get_records([records.DIRECTORY_KEY])
+    """Every peer's directory record (any model, any state): one per peer, sorted by model and span.
+
+    All buckets are read at once; a bucket that nothing returned (empty, or its reply was lost) only
+    leaves its peers out."""
+    found = await node.get_records(records.DIRECTORY_KEYS)
     anns = []
-    for subkey, (value, _expiration) in found.get(records.DIRECTORY_KEY, {}).items():
-        try:
-            ann = records.Announcement.from_payload(records.open_envelope(value)[1])
-        except records.RecordRejected:
-            continue  # verified when stored; a record we cannot decode now is simply not used
-        if ann.peer == subkey and ann.num_blocks is not None:
-            anns.append(ann)
+    for key in records.DIRECTORY_KEYS:
+        for subkey, (value, _expiration) in found.get(key, {}).items():
+            try:
+                ann = records.Announcement.from_payload(records.open_envelope(value)[1])
+            except records.RecordRejected:
+                continue  # verified when stored; a record we cannot decode now is simply not used
+            if ann.peer == subkey and records.directory_key(subkey) == key and ann.num_blocks is not None:
+                anns.append(ann)
     return sorted(anns, key=lambda a: (a.model, a.start, a.end, a.peer))

@@ -2,19 +2,22 @@
 checks them.
 
 A record lives in the DHT under key `block_key(model, block)` and subkey = the announcing peer's id.
-Each peer also stores its announcement, with the model's `num_blocks`, under one directory key,
-`DIRECTORY_KEY` (no model id starts with '_', so it cannot collide with a block key): reading that one
-key lists every peer of every model, which is how a health monitor finds the models it was not told
-about. Its value is an envelope: one version byte, a 64-byte Ed25519 signature, then the payload as
-compact JSON. The signature covers a domain tag, the DHT key id, the subkey, the expiration time and
-the payload, so a signed value cannot be moved to another block or key, another subkey, or a later
+Each peer also stores its announcement, with the model's `num_blocks`, in the directory: under
+`directory_key(peer)`, one of `DIRECTORY_BUCKETS` keys `_models.{n}` chosen by a hash of the peer id
+(no model id starts with '_', so they cannot collide with block keys). Reading every bucket lists
+every peer of every model, which is how a health monitor finds the models it was not told about;
+splitting it keeps each DHT value small enough to read (see docs/protocol.md).
+
+A value is an envelope: one version byte, a 64-byte Ed25519 signature, then the payload as compact
+JSON. The signature covers a domain tag, the DHT key id, the subkey, the expiration time and the
+payload, so a signed value cannot be moved to another block or key, another subkey, or a later
 expiration.
 
 Invariants (checked by `verify` on store and on read, by every node of our swarm):
 - the subkey is a peer id, equal to the payload's `peer`, and the signature verifies against it;
 - the payload follows the schema (unknown fields are tolerated, so newer peers can add optional
-  ones); the key is one of the blocks of the announced span, or the directory key when the payload
-  carries `num_blocks`;
+  ones); the key is one of the blocks of the announced span, or the peer's own directory bucket when
+  the payload carries `num_blocks`, has no unknown fields and fits in `MAX_DIRECTORY_VALUE_BYTES`;
 - the expiration is not beyond `now + MAX_TTL` and not already past;
 - the whole value fits in `MAX_VALUE_BYTES`;
 - per (key, subkey), sequence numbers only grow (`SequenceGuard`): an older record, or a different
@@ -43,8 +46,14 @@ STATES = ("joining", "online", "offline")
 MAX_BLOCKS = 4096  # no model we can serve has more decoder layers
 _DOMAIN = b"swarm-announcement-v1\0"
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-DIRECTORY_KEY = "_models"  # every peer of every model, one subkey each; model ids never start with '_'
-_OPTIONAL = ("num_blocks",)  # fields older payloads lack; omitted from the payload when None
+# The directory: every peer of every model, one subkey each, spread over buckets so that no single DHT
+# value has to hold the whole swarm. Model ids never start with '_'.
+DIRECTORY_BUCKETS = 64
+DIRECTORY_KEYS = tuple(f"_models.{n}" for n in range(DIRECTORY_BUCKETS))
+# The largest schema-valid directory payload (64-character model id, 32-character version, every number
+# at its longest) seals to ~475 bytes; a tight cap makes each bucket hold as many peers as possible.
+MAX_DIRECTORY_VALUE_BYTES = 512
+_OPTIONAL = ("num_blocks",)  # fields older payloads lack; omitted from the payload when None, never null
 
 
 class RecordRejected(ValueError):
@@ -53,6 +62,11 @@ class RecordRejected(ValueError):
 
 def block_key(model: str, block: int) -> str:
     return f"{model}.block{block}"
+
+
+def directory_key(peer: str) -> str:
+    """The directory bucket a peer announces itself in: a stable hash of its id."""
+    return DIRECTORY_KEYS[int.from_bytes(hashlib.sha256(peer.encode()).digest()[:4], "big") % DIRECTORY_BUCKETS]
 
 
 def check_model_id(model: str) -> str:
@@ -105,6 +119,8 @@ class Announcement:
         missing = known - data.keys() - set(_OPTIONAL)
         if missing:
             raise RecordRejected(f"payload lacks {sorted(missing)}")
+        if any(k in data and data[k] is None for k in _OPTIONAL):  # None would not survive a round trip
+            raise RecordRejected(f"optional fields {list(_OPTIONAL)} are left out when absent, never null")
         ann = cls(**{k: data[k] for k in known if k in data}, extra={k: v for k, v in data.items() if k not in known})
         ann.check_schema()
         return ann
@@ -185,11 +201,14 @@ def verify(key_id: bytes, subkey: object, value: bytes, expiration: float, now: 
         raise RecordRejected("payload's peer is not the subkey")
     if ann.issued_at > now + CLOCK_SKEW or expiration - ann.issued_at > MAX_TTL + CLOCK_SKEW:
         raise RecordRejected("issue time is in the future or too long before the expiration")
-    if key_id == key_id_of(DIRECTORY_KEY):
+    if key_id == key_id_of(directory_key(subkey)):
         if ann.num_blocks is None:
             raise RecordRejected("a directory record must carry num_blocks")
+        if ann.extra or len(value) > MAX_DIRECTORY_VALUE_BYTES:
+            raise RecordRejected(f"a directory record carries no unknown fields and fits in "
+                                 f"{MAX_DIRECTORY_VALUE_BYTES} bytes")
     elif key_id not in {key_id_of(block_key(ann.model, b)) for b in range(ann.start, ann.end)}:
-        raise RecordRejected("key is not one of the announced span's blocks")
+        raise RecordRejected("key is not one of the announced span's blocks, nor the peer's directory bucket")
     return ann
 
 

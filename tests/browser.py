@@ -20,7 +20,8 @@ from pathlib import Path
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
-         "--disable-default-apps", "--mute-audio", "--hide-scrollbars")
+         "--disable-default-apps", "--mute-audio", "--hide-scrollbars",
+         "--disable-dev-shm-usage")  # /dev/shm is small in containers: a full one crashes the renderer
 
 
 def chromium() -> str:

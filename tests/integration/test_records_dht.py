@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from swarm import records
+from swarm import discovery, records
 from swarm.identity import Identity, load_or_create
 from swarm.transport import key_id
 from swarm_harness import MODEL_ID
@@ -90,6 +90,22 @@ def test_the_honest_peer_keeps_announcing_after_the_attack(swarm, client, loop, 
         assert time.monotonic() < deadline, "the honest peer stopped re-announcing"
         time.sleep(0.2)
     assert current(client, loop, honest.peer_id).state == "online"
+
+
+def test_every_peer_is_listed_in_its_own_directory_bucket_only(swarm, client, loop, honest):
+    listed = loop.run(discovery.directory(client))
+    assert {a.peer for a in listed} == {swarm.procs[f"peer{i}"].peer_id for i in range(3)}
+    own = records.directory_key(honest.peer_id)
+    ann = next(a for a in listed if a.peer == honest.peer_id)
+    newer = dataclasses.replace(ann, seq=ann.seq + 10**6, issued_at=time.time(), state="offline")
+    exp = time.time() + 8
+    other = next(k for k in records.DIRECTORY_KEYS if k != own)
+    padded = dataclasses.replace(newer, extra={"pad": "x" * 100})
+    for key, forged in ((other, newer), (own, padded)):
+        value = records.seal(honest, forged, key_id(key), exp)
+        assert loop.run(client.put_records([(key, honest.peer_id, value, exp)]))[(key, honest.peer_id)] is False
+    after = next(a for a in loop.run(discovery.directory(client)) if a.peer == honest.peer_id)
+    assert after.state == "online" and after.num_blocks == ann.num_blocks
 
 
 forgeries = st.one_of(

@@ -1,8 +1,9 @@
-"""The client's plumbing below the network: the loop thread and reply deadlines."""
+"""The client's plumbing below the network: the loop thread, reply deadlines and reply size caps."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -10,8 +11,8 @@ import pytest
 
 from client.loop import LoopThread
 from swarm import wire
-from swarm.calls import exchange
-from swarm.errors import StepTimeout
+from swarm.calls import exchange, info
+from swarm.errors import ProtocolError, StepTimeout
 from swarm.transport import Stream
 
 pytestmark = pytest.mark.unit
@@ -46,5 +47,45 @@ def test_a_silent_peer_is_a_step_timeout_not_a_lost_connection():
         finally:
             writer.close()
             theirs.close()
+
+    asyncio.run(run())
+
+
+class _OneStream:
+    """A node whose every stream is `stream` (one end of a local socket pair)."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+
+    async def open(self, peer, protocol):
+        return self.stream
+
+
+@contextlib.asynccontextmanager
+async def _peer_replying(reply: wire.Message):
+    """A stream to a "peer" that sends `reply` (in the background: it may not fit in the socket buffer)."""
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=ours)
+    _, peer_writer = await asyncio.open_connection(sock=theirs)
+    sending = asyncio.create_task(wire.write_message(peer_writer, reply))
+    try:
+        yield Stream(reader, writer, "peer")
+    finally:
+        sending.cancel()
+        peer_writer.close()
+        writer.close()
+
+
+def test_an_info_reply_may_carry_no_tensor_bytes():
+    hidden = wire.Blob("float32", (256, 1024), bytes(1 << 20))  # 1 MiB that an untrusted peer sends with "info"
+
+    async def run():
+        async with _peer_replying(wire.Message(wire.INFO, {"model": "m"}, (hidden,))) as stream:
+            with pytest.raises(ProtocolError, match="exceeds the limit of 0"):
+                await info(_OneStream(stream), "peer", timeout=5)
+        # a call whose reply carries hidden states (a forward) still reads them whole
+        async with _peer_replying(wire.Message(wire.OUTPUT, {}, (hidden,))) as stream:
+            reply = await exchange(stream, wire.Message(wire.FORWARD), 5)
+            assert reply.type == wire.OUTPUT and len(reply.tensors[0].data) == 1 << 20
 
     asyncio.run(run())

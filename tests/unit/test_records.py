@@ -10,8 +10,9 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from swarm.identity import Identity
-from swarm.records import (CLOCK_SKEW, DIRECTORY_KEY, ENVELOPE_VERSION, MAX_BLOCKS, MAX_TTL, MAX_VALUE_BYTES,
-                           Announcement, RecordRejected, SequenceGuard, block_key, seal, signed_message, verify)
+from swarm.records import (CLOCK_SKEW, DIRECTORY_BUCKETS, DIRECTORY_KEYS, ENVELOPE_VERSION, MAX_BLOCKS,
+                           MAX_DIRECTORY_VALUE_BYTES, MAX_TTL, MAX_VALUE_BYTES, Announcement, RecordRejected,
+                           SequenceGuard, block_key, directory_key, seal, signed_message, verify)
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +28,7 @@ def key_id_of(key: str) -> bytes:
 
 
 KEY0 = key_id_of(block_key("tiny-llama", 0))
-DIRECTORY = key_id_of(DIRECTORY_KEY)
+DIRECTORY = key_id_of(directory_key(HONEST.peer_id))  # the honest peer's directory bucket
 
 
 def announcement(identity: Identity = HONEST, **changes) -> Announcement:
@@ -143,10 +144,45 @@ def test_num_blocks_is_optional_and_omitted_when_absent():
     assert Announcement.from_payload(announcement(num_blocks=6).to_payload()) == announcement(num_blocks=6)
 
 
-def test_no_model_id_starts_like_the_directory_key():
-    assert DIRECTORY_KEY.startswith("_")
+def test_no_model_id_starts_like_a_directory_key():
+    assert len(set(DIRECTORY_KEYS)) == DIRECTORY_BUCKETS and all(k.startswith("_") for k in DIRECTORY_KEYS)
     with pytest.raises(RecordRejected, match="model id"):
-        announcement(model=DIRECTORY_KEY).check_schema()
+        announcement(model=DIRECTORY_KEYS[0]).check_schema()
+
+
+def test_a_peers_directory_bucket_is_a_stable_hash_of_its_id():
+    n = int.from_bytes(hashlib.sha256(HONEST.peer_id.encode()).digest()[:4], "big") % DIRECTORY_BUCKETS
+    assert directory_key(HONEST.peer_id) == f"_models.{n}"
+    assert {directory_key(Identity.generate().peer_id) for _ in range(1000)} == set(DIRECTORY_KEYS)
+
+
+def test_a_directory_record_is_accepted_only_in_its_peers_bucket():
+    ann = announcement(num_blocks=6)
+    for key in {*DIRECTORY_KEYS, "_models"} - {directory_key(HONEST.peer_id)}:
+        with pytest.raises(RecordRejected, match="nor the peer's directory bucket"):
+            check(seal(HONEST, ann, key_id_of(key), NOW + 60), key_id=key_id_of(key))
+
+
+def test_a_directory_record_has_no_unknown_fields_and_stays_small():
+    with_extra = announcement(num_blocks=6, extra={"region": "eu"})
+    assert check(seal(HONEST, with_extra, KEY0, NOW + 60)).extra == {"region": "eu"}  # fine in a block record
+    with pytest.raises(RecordRejected, match="no unknown fields"):
+        check(seal(HONEST, with_extra, DIRECTORY, NOW + 60), key_id=DIRECTORY)
+    padded = json.dumps(json.loads(announcement(num_blocks=6).to_payload()), indent=16).encode()
+    value = envelope(HONEST, DIRECTORY, HONEST.peer_id, NOW + 60, padded)
+    assert MAX_DIRECTORY_VALUE_BYTES < len(value) <= MAX_VALUE_BYTES
+    with pytest.raises(RecordRejected, match=f"fits in {MAX_DIRECTORY_VALUE_BYTES} bytes"):
+        check(value, key_id=DIRECTORY)
+
+
+def test_the_longest_honest_directory_record_fits():
+    longest = announcement(model="m" * 64, start=MAX_BLOCKS - 1, end=MAX_BLOCKS, state="joining",
+                           throughput=1.2345678901234567e-300, prefill_tps=1.7976931348623157e308,
+                           cache_tokens_left=2**40, version="v" * 32, seq=2**63 - 1, issued_at=NOW + 0.123456789,
+                           num_blocks=MAX_BLOCKS)
+    value = seal(HONEST, longest, DIRECTORY, NOW + 60)
+    assert len(value) <= MAX_DIRECTORY_VALUE_BYTES
+    assert check(value, key_id=DIRECTORY) == longest
 
 
 @pytest.mark.parametrize("subkey", [None, b"12D3KooW", 7])
@@ -254,6 +290,7 @@ _DROP = object()
     (_payload(num_blocks=6.0), "num_blocks"),
     (_payload(num_blocks=True), "num_blocks"),
     (_payload(num_blocks="6"), "num_blocks"),
+    (_payload(num_blocks=None), "never null"),  # None is how an absent field is held: it would not round-trip
 ])
 def test_schema_violations_are_rejected_even_when_signed(payload, rule):
     value = envelope(HONEST, KEY0, HONEST.peer_id, NOW + 60, payload)
