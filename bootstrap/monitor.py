@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 from bootstrap import health
 from bootstrap.config import MonitorConfig
 from swarm import calls, discovery, http, metrics
-from swarm.errors import ConfigError, SwarmError, SwarmUnreachable
+from swarm.errors import SwarmError, SwarmUnreachable
 from swarm.identity import Identity
 from swarm.records import Announcement
 from swarm.span import Span
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 PING_TIMEOUT = 2.0  # seconds a peer may take to answer the info call before it counts as unreachable
 PING_CONCURRENCY = 32
 MIN_READ_TIME = 5.0  # seconds a read of the directory may take even at short intervals (DHT calls wait 3 s)
-LIMITS = http.Limits(max_connections=64, max_body_bytes=1024)
+LIMITS = metrics.SMALL_LIMITS
 JSON_PATH = "/api/v1/swarm"
 
 
@@ -231,11 +231,7 @@ class Monitor:
                    time.time() - self.snapshot.taken_at, {})
 
     async def __aenter__(self) -> Monitor:
-        try:
-            self._server = await http.start(self.app(), self.host, self.port, LIMITS)
-        except OSError as e:
-            raise ConfigError(f"cannot serve the health page on {self.host}:{self.port} ({e.strerror or e}); "
-                              "choose another port") from None
+        self._server = await http.start(self.app(), self.host, self.port, LIMITS, what="the health page", flag="port")
         self._task = asyncio.create_task(self._loop())
         return self
 

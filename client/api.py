@@ -156,10 +156,7 @@ def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
         raise invalid("stream_options", "'stream_options.include_usage' must be a boolean")
     include_usage = bool(stream and options and options.get("include_usage"))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(param)
-    if max_tokens is not None and (type(max_tokens) is not int or not 1 <= max_tokens <= config.max_tokens):
-        raise invalid(param, f"'{param}' must be an integer in [1, {config.max_tokens}] (this server's limit), "
-                      f"got {max_tokens!r}")
+    max_tokens = _integer(body, param, 1, config.max_tokens, " (this server's limit)")
     seed = _integer(body, "seed", -2**63, 2**63 - 1)
     sampling = Sampling(
         max_tokens=max_tokens or 0,
@@ -188,6 +185,7 @@ class Gateway:
         self.config, self.client, self.head, self.tokenizer = config, client, head, tokenizer
         self.model_id, self.context_length, self.end_tokens = model_id, context_length, end_tokens
         self.created = int(time.time())
+        self.limits = config.limits
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="api-head")
         # one thread: a huge prompt delays other prompts' tokenizing, never the running generations
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-tokenize")
@@ -229,7 +227,7 @@ class Gateway:
         r.register(metrics.StateCollector(state))
 
     def app(self) -> web.Application:
-        app = http.make_app(self.config.limits)
+        app = http.make_app(self.limits)
         app.middlewares.append(self._errors)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
@@ -276,10 +274,9 @@ class Gateway:
             raise
         except ApiError as e:
             response = e.response()
-        except web.HTTPRequestEntityTooLarge as e:
+        except web.HTTPRequestEntityTooLarge:
             response = ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes", code="body_too_large"
                                 ).response()
-            del e
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -294,7 +291,7 @@ class Gateway:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
-            raw = await http.read_body(request, self.config.limits)
+            raw = await http.read_body(request, self.limits)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s",
                            code="body_timeout") from None
@@ -447,10 +444,8 @@ class Gateway:
             self.m_ttft.observe(gen.first_token_s or 0.0)
             last = [time.perf_counter()]
             if not stream:
-                out.add(first)
-                async for deltas in events:
+                async for _ in events:
                     self._timed(last)
-                    out.add(deltas)
                 return web.json_response(out.whole(gen))
         except SwarmError as e:
             raise _api_error(e, self.config.retry_after) from None
@@ -521,24 +516,18 @@ class _Output:
         self.chat = kind == "chat.completion"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.texts = [""] * n
-        self.finish: list[str | None] = [None] * n
-
-    def add(self, deltas) -> None:
-        for d in deltas:
-            self.texts[d.index] += d.text
-            self.finish[d.index] = d.finish_reason or self.finish[d.index]
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self, gen: Generation) -> dict[str, Any]:
+        """The finished generation's answer: each choice's text is what a stream would have carried."""
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f,
-                        "logprobs": None} for i, (t, f) in enumerate(zip(self.texts, self.finish))]
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "finish_reason": c.finish_reason, "logprobs": None} for c in gen.choices]
         else:
-            choices = [{"index": i, "text": t, "finish_reason": f, "logprobs": None}
-                       for i, (t, f) in enumerate(zip(self.texts, self.finish))]
+            choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+                       for c in gen.choices]
         return {**self._head(self.kind), "choices": choices, "usage": _usage(gen)}
 
     def opening(self) -> list[dict[str, Any]]:
@@ -586,6 +575,8 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     from swarm.records import default_model_id
     from swarm.transport import Node
 
+    if not client_config.initial_peers:
+        raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
     loop = asyncio.get_running_loop()
     ckpt = await loop.run_in_executor(None, Checkpoint, path)
     model_id = client_config.model_id or default_model_id(path)
@@ -593,14 +584,12 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
     generation_config = GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").exists() \
         else None
-    if not client_config.initial_peers:
-        raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
     async with Node(Identity.generate(), initial_peers=client_config.initial_peers, client_mode=True) as node:
         client = SwarmClient(node, model_id, ckpt.num_blocks, client_config)
         gateway = Gateway(config, client, head, tokenizer, model_id, context_length_of(ckpt.config, config.context_length),
                           stop_token_ids(tokenizer, generation_config))
         try:
-            gateway.server = await http.start(gateway.app(), config.host, config.port, config.limits)
+            gateway.server = await http.start(gateway.app(), config.host, config.port, gateway.limits, what="the API")
             url = f"{gateway.server.url}/v1"
             logger.info("api at %s serving model %s (%d blocks in the swarm; context %d tokens)", url, model_id,
                         ckpt.num_blocks, gateway.context_length)

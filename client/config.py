@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.config import check_dtype, check_positive, option
-from swarm.errors import ConfigError
+from swarm.config import check_dtype, check_port, check_positive, option
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,7 @@ class ApiConfig:
         check_positive(self, ("max_tokens", "max_generations", "max_queue", "max_n", "max_connections",
                               "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after"),
                        ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port} is not a TCP port")
+        check_port(self.port, "--port")
 
     @property
     def limits(self):

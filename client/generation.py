@@ -103,17 +103,17 @@ class Sampler:
 
     def __init__(self, sampling: Sampling, vocab_size: int):
         self.sampling = sampling
-        self.vocab_size = vocab_size
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         self.generators = [torch.Generator().manual_seed((seed + i) % 2**63) for i in range(sampling.n)]
-        self.counts = torch.zeros(sampling.n, vocab_size)
+        self.penalized = bool(sampling.presence_penalty or sampling.frequency_penalty)
+        self.counts = torch.zeros(sampling.n, vocab_size) if self.penalized else None  # tokens chosen so far
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor) -> list[int]:
         """`logits` [n, vocab] -> one token per choice."""
         s = self.sampling
         logits = logits.float()
-        if s.presence_penalty or s.frequency_penalty:
+        if self.penalized:
             logits = logits - s.frequency_penalty * self.counts - s.presence_penalty * (self.counts > 0).float()
         if not torch.isfinite(logits).all():
             raise SwarmError("the swarm returned non-finite activations (a faulty peer, or an overflow in "
@@ -131,21 +131,23 @@ class Sampler:
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
             tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
                                   for i, g in enumerate(self.generators)])
-        self.counts[torch.arange(len(tokens)), tokens] += 1
+        if self.penalized:
+            self.counts[torch.arange(len(tokens)), tokens] += 1
         return tokens.tolist()
 
 
 class Generation:
-    """One request's generation: `async for deltas in gen.run(): ...`; afterwards `usage` and the
-    session's `failovers`. Cancelling the task that runs it closes its peer sessions."""
+    """One request's generation: `async for deltas in gen.run(): ...` (one list per token, maybe empty);
+    afterwards the token counts, each choice's text and finish reason, and the session's `failovers`.
+    Cancelling the task that runs it closes its peer sessions."""
 
     def __init__(self, client: SwarmClient, head: ModelHead, tokenizer, executor: Executor, prompt: list[int],
                  sampling: Sampling, end_tokens: list[int]):
         self.client, self.head, self.tokenizer, self.executor = client, head, tokenizer, executor
         self.prompt, self.sampling, self.end_tokens = prompt, sampling, set(end_tokens)
         context = prompt[-CONTEXT_TOKENS:]
-        self.choices = [Choice(i, context=list(context), prefix_offset=0, read_offset=len(context))
-                        for i in range(sampling.n)]
+        self.choices = [Choice(i, context=list(context), read_offset=len(context)) for i in range(sampling.n)]
+        self.longest_stop = max((len(stop) for stop in sampling.stop), default=0)
         self.failovers: list[Failover] = []
         self.first_token_s: float | None = None
         self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
@@ -174,9 +176,7 @@ class Generation:
                 tokens = await self._in_pool(self._next_tokens, sampler, out[:, -1])
                 if self.first_token_s is None:
                     self.first_token_s = time.perf_counter() - started
-                deltas = self._advance(tokens, last=produced == s.max_tokens - 1)
-                if deltas:
-                    yield deltas
+                yield self._advance(tokens, last=produced == s.max_tokens - 1)
                 if all(c.finish_reason for c in self.choices):
                     return
                 hidden = await self._in_pool(self.head.embed, torch.tensor(tokens, dtype=torch.int64)[:, None])
@@ -202,7 +202,6 @@ class Generation:
 
     def _advance(self, tokens: list[int], last: bool) -> list[Delta]:
         stops = self.sampling.stop
-        longest = max((len(stop) for stop in stops), default=0)
         deltas = []
         for choice, token in zip(self.choices, tokens):
             if choice.finish_reason:
@@ -216,12 +215,11 @@ class Generation:
             choice.decoded += self._decode_next(choice, flush=finish is not None)
             text = choice.decoded
             # a stop string not found before cannot start before the new text, less its own length
-            start = max(0, min(before, len(choice.text)) - longest)
+            start = max(0, before - self.longest_stop)
             cut = min((i for i in (text.find(stop, start) for stop in stops) if i >= 0), default=-1)
             if cut >= 0:
                 text, finish = text[:cut], "stop"
-            visible = text if finish else text[:len(text) - held_back(text, stops)]
-            new = visible[len(choice.text):]
+            new = text[len(choice.text):len(text) - (0 if finish else held_back(text, stops))]
             choice.text += new
             choice.finish_reason = finish
             if new or finish:

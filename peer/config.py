@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.config import check_dtype, check_positive, option
+from swarm.config import check_dtype, check_port, check_positive, option
 from swarm.errors import ConfigError
 from swarm.span import Span
 
@@ -64,9 +64,7 @@ class PeerConfig:
         if self.announce_interval >= self.record_ttl:
             raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
                               "announcements")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port} is not a TCP port")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port")
+        check_port(self.port, "--port")
+        check_port(self.metrics_port, "--metrics-port")
         if self.metrics_port == self.port != 0 and self.metrics_host == self.host:
             raise ConfigError(f"--metrics-port and --port are both {self.port}: give metrics a port of its own")

@@ -62,7 +62,7 @@ class PeerMetrics:
 
     async def serve(self, host: str, port: int) -> HttpServer:
         """An HTTP server with only `/metrics`; the caller closes it."""
-        return await swarm_metrics.serve(self.registry, host, port)
+        return await swarm_metrics.serve(self.registry, host, port, flag="--metrics-port")
 
     def opened(self) -> None:
         self._opened.inc()

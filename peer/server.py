@@ -26,7 +26,6 @@ from peer.sessions import SessionTable
 from swarm import __version__, discovery, selection, wire
 from swarm.blocks import SpanBlocks
 from swarm.checkpoint import Checkpoint, parse_dtype
-from swarm.errors import ConfigError
 from swarm.identity import Identity, load_or_create
 from swarm.records import check_model_id, default_model_id
 from swarm.span import Span
@@ -95,11 +94,7 @@ async def metrics_endpoint(metrics: PeerMetrics, config: PeerConfig, name: str):
     if config.metrics_port is None:
         yield None
         return
-    try:
-        server = await metrics.serve(config.metrics_host, config.metrics_port)
-    except OSError as e:
-        raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port} "
-                          f"({e.strerror or e}); choose another --metrics-port") from None
+    server = await metrics.serve(config.metrics_host, config.metrics_port)
     logger.info("peer %s metrics at %s/metrics", name, server.url)
     try:
         yield server

@@ -1,6 +1,6 @@
 """HTTP servers that stay up under abuse: the API gateway, the health page and `/metrics` use this.
 
-`start(app, host, port, limits)` serves an aiohttp application with three guards that aiohttp lacks:
+`start(app, host, port, limits)` serves an aiohttp application with these guards:
 
 - a connection is closed when it spends more than `header_timeout` seconds outside a request handler,
   that is, while its request line and headers trickle in, or idle between keep-alive requests;
@@ -8,8 +8,8 @@
   waited longest for its headers or is still sending its body, so a flood of slow connections cannot
   lock real clients out. If every connection is inside a handler past its body (or was accepted in the
   same burst), the new one gets 503 and is closed;
-- a client that disconnects cancels its handler (aiohttp's `handler_cancellation`), so the work it
-  started (a generation, its peer sessions) is released at once.
+- a client that disconnects cancels its handler (aiohttp's `handler_cancellation`, turned on here), so
+  the work it started (a generation, its peer sessions) is released at once.
 
 Request bodies are bounded by the application's `client_max_size`; handlers bound their body reads
 in time with `read_body`.
@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 
 from aiohttp import web
+
+from swarm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class _Guard:
         self.limits = limits
         self.server: web.Server | None = None
         self.waiting_since: dict[object, float] = {}  # connection -> when it last left a handler
-        self.in_handler: dict[object, int] = {}
+        self.in_handler: set[object] = set()  # aiohttp runs one handler per connection at a time
         self.reading: set[object] = set()  # in a handler, but its request body has not all arrived yet
         self.accepting: set[object] = set()  # created in this loop turn, not yet listed by the server
         self.evicted = 0
@@ -84,9 +86,10 @@ class _Guard:
         assert self.server is not None
         # a burst of accepts creates several connections in one loop turn, before the server lists any of
         # them: those count too; connections already closed (evicted) but not yet forgotten do not
-        open_now = [c for c in self.server.connections if c.transport is not None]
-        if len(open_now) + len(self.accepting) >= self.limits.max_connections:
-            waiting = [c for c in open_now if not self.in_handler.get(c) or c in self.reading]
+        if len(self.server.connections) + len(self.accepting) >= self.limits.max_connections and \
+                len(open_now := [c for c in self.server.connections if c.transport is not None]) + \
+                len(self.accepting) >= self.limits.max_connections:
+            waiting = [c for c in open_now if c not in self.in_handler or c in self.reading]
             if not waiting:
                 self.refused += 1
                 return _Refuse()
@@ -102,26 +105,22 @@ class _Guard:
 
     def _close(self, conn) -> None:
         self.waiting_since.pop(conn, None)
-        self.in_handler.pop(conn, None)
+        self.in_handler.discard(conn)
         self.reading.discard(conn)
         conn.force_close()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         conn = request.protocol
-        self.in_handler[conn] = self.in_handler.get(conn, 0) + 1
+        self.in_handler.add(conn)
         if request.body_exists:
             self.reading.add(conn)  # until `read_body` has it all
         try:
             return await handler(request)
         finally:
             self.reading.discard(conn)
-            left = self.in_handler.get(conn, 1) - 1
-            if left > 0:
-                self.in_handler[conn] = left
-            else:
-                self.in_handler.pop(conn, None)
-                self.waiting_since[conn] = time.monotonic()
+            self.in_handler.discard(conn)
+            self.waiting_since[conn] = time.monotonic()
 
     async def sweep(self) -> None:
         """Close connections waiting too long for a request; forget closed ones. Runs until cancelled."""
@@ -136,12 +135,12 @@ class _Guard:
                     if now - self.waiting_since[conn] > 5.0:  # created but never connected, or closed
                         self.waiting_since.pop(conn, None)
                     continue
-                if not self.in_handler.get(conn) and now - self.waiting_since[conn] > self.limits.header_timeout:
+                if conn not in self.in_handler and now - self.waiting_since[conn] > self.limits.header_timeout:
                     self.timed_out += 1
                     self._close(conn)
             for conn in list(self.in_handler):
                 if conn not in live and conn not in self.waiting_since:
-                    self.in_handler.pop(conn, None)
+                    self.in_handler.discard(conn)
                     self.reading.discard(conn)
 
     def open_connections(self) -> int:
@@ -184,7 +183,9 @@ def make_app(limits: Limits = Limits()) -> web.Application:
     return web.Application(client_max_size=limits.max_body_bytes)
 
 
-async def start(app: web.Application, host: str, port: int, limits: Limits = Limits()) -> HttpServer:
+async def start(app: web.Application, host: str, port: int, limits: Limits = Limits(), *,
+                what: str = "HTTP", flag: str = "--port") -> HttpServer:
+    """Serve `app` on host:port; a port that cannot be bound is a `ConfigError` naming `what` and `flag`."""
     guard = _Guard(limits)
     app[_GUARD] = guard
     app.middlewares.insert(0, guard.middleware)
@@ -197,9 +198,9 @@ async def start(app: web.Application, host: str, port: int, limits: Limits = Lim
     try:
         server = await loop.create_server(guard.protocol, host, port, backlog=min(4096, max(128, limits.max_connections * 2)),
                                           reuse_address=True)
-    except OSError:
+    except OSError as e:
         await runner.cleanup()
-        raise
+        raise ConfigError(f"cannot serve {what} on {host}:{port} ({e.strerror or e}); choose another {flag}") from None
     return HttpServer(runner, server, guard, asyncio.create_task(guard.sweep()))
 
 

@@ -46,9 +46,11 @@ def add_route(app: web.Application, registry: CollectorRegistry) -> None:
     app.router.add_get("/metrics", metrics)
 
 
-async def serve(registry: CollectorRegistry, host: str, port: int) -> http.HttpServer:
+SMALL_LIMITS = http.Limits(max_connections=64, max_body_bytes=1024)  # for servers that take no request bodies
+
+
+async def serve(registry: CollectorRegistry, host: str, port: int, flag: str = "--port") -> http.HttpServer:
     """A server with only `/metrics` (for peers, whose main port speaks the swarm protocol)."""
-    limits = http.Limits(max_connections=64, max_body_bytes=1024)
-    app = http.make_app(limits)
+    app = http.make_app(SMALL_LIMITS)
     add_route(app, registry)
-    return await http.start(app, host, port, limits)
+    return await http.start(app, host, port, SMALL_LIMITS, what="metrics", flag=flag)
