@@ -426,3 +426,17 @@ def test_a_real_server_url():
                 close_all(w)
 
     run(main())
+
+
+def test_a_port_in_use_is_a_config_error_naming_the_option():
+    from swarm.errors import ConfigError
+
+    async def scenario():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(ConfigError, match=rf"cannot serve the API on 127.0.0.1:{port} .*--port"):
+                await http.start(http.make_app(), "127.0.0.1", port, what="the API")
+
+    run(scenario())
