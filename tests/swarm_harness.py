@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from swarm.launch import LocalSwarm, Proc, pid_alive, wait_until
 
-__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "MODEL_ID", "CACHE_TOKENS", "IDLE_TIMEOUT",
-           "MAX_SESSIONS", "PEER_OPTIONS"]
+__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "MODEL_ID", "CACHE_TOKENS",
+           "IDLE_TIMEOUT", "MAX_SESSIONS", "PEER_OPTIONS"]
+
+
+@contextlib.contextmanager
+def client_node(loop, initial_peers):
+    """A client-mode DHT node with its own identity, joined through `initial_peers`, on `loop` (a LoopThread)."""
+    from swarm.identity import Identity
+    from swarm.transport import Node
+
+    node = Node(Identity.generate(), initial_peers=initial_peers, client_mode=True)
+    loop.run(node.__aenter__(), timeout=60)
+    try:
+        yield node
+    finally:
+        loop.run(node.__aexit__(None, None, None), timeout=30)
 
 # The shared integration swarm: three peers of this model on a tiny llama checkpoint.
 MODEL_ID = "tiny-llama"

@@ -8,9 +8,7 @@ import torch
 
 from client.loop import LoopThread
 from swarm.checkpoint import Checkpoint
-from swarm.identity import Identity
-from swarm.transport import Node
-from swarm_harness import CACHE_TOKENS, PEER_OPTIONS, LocalSwarm
+from swarm_harness import CACHE_TOKENS, PEER_OPTIONS, LocalSwarm, client_node
 
 
 @pytest.fixture(scope="session")
@@ -48,12 +46,8 @@ def loop():
 @pytest.fixture(scope="session")
 def client(swarm, loop):
     """A client-mode DHT node joined to the swarm, with its own identity."""
-    node = Node(Identity.generate(), initial_peers=swarm.bootstrap_addrs, client_mode=True)
-    loop.run(node.__aenter__())
-    try:
+    with client_node(loop, swarm.bootstrap_addrs) as node:
         yield node
-    finally:
-        loop.run(node.__aexit__(None, None, None))
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,8 @@ from client.generation import stop_token_ids
 from client.loop import LoopThread
 from client.model import DistributedModelForCausalLM
 from client.peer_client import info
-from swarm.identity import Identity
-from swarm.launch import wait_until
+from swarm_harness import client_node, wait_until
 from swarm.records import default_model_id
-from swarm.transport import Node
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -345,16 +343,13 @@ def test_full_queue_is_503_and_the_rest_complete(oai, model_id):
 @pytest.fixture(scope="module")
 def peers_info(demo_swarm):
     """Sessions open on each demo peer, from their info calls."""
-    with LoopThread() as loop:
-        node = Node(Identity.generate(), initial_peers=demo_swarm.bootstrap_addrs, client_mode=True)
-        loop.run(node.__aenter__(), timeout=60)
+    with LoopThread() as loop, client_node(loop, demo_swarm.bootstrap_addrs) as node:
         peers = [demo_swarm.procs[f"peer{i}"].peer_id for i in range(3)]
 
         def sessions() -> list[int]:
             return [loop.run(info(node, p, timeout=5), timeout=10)["sessions"] for p in peers]
 
         yield sessions
-        loop.run(node.__aexit__(None, None, None), timeout=30)
 
 
 def test_disconnect_mid_stream_frees_peer_sessions(oai, model_id, peers_info, api):

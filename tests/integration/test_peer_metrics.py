@@ -18,10 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import peer_client
 from swarm import __version__
 from swarm.errors import BadRequest
-from swarm.identity import Identity
 from swarm.span import Span
-from swarm.transport import Node
-from swarm_harness import CACHE_TOKENS, MODEL_ID, PEER_OPTIONS, LocalSwarm, wait_until
+from swarm_harness import CACHE_TOKENS, MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -54,12 +52,8 @@ def url(metered) -> str:
 @pytest.fixture(scope="module")
 def node(metered, loop):
     """A client-mode DHT node joined to this swarm."""
-    node = Node(Identity.generate(), initial_peers=metered.bootstrap_addrs, client_mode=True)
-    loop.run(node.__aenter__())
-    try:
+    with client_node(loop, metered.bootstrap_addrs) as node:
         yield node
-    finally:
-        loop.run(node.__aexit__(None, None, None))
 
 
 class Scrape:
