@@ -24,6 +24,8 @@ class ClientConfig:
     ban_seconds: float = option(5.0, help="first ban of a failed peer; doubles with each further failure")
     slow_factor: float = option(4.0, help="a peer is slow when its steps take this many times its usual latency")
     slow_steps: int = option(3, help="... for this many decode steps in a row; it is then avoided for the session")
+    chain: bool = option(True, help="peers pass each step's activations straight to the next peer of the route "
+                         "(--no-chain: the client relays every hop itself)")
 
     def __post_init__(self) -> None:
         positive = ("refresh_interval", "ping_timeout", "open_timeout", "step_timeout", "min_deadline",

@@ -11,6 +11,12 @@ new peer's history), and the failed step is sent again. The hops before and afte
 Greedy output is the same as without the failure, because every peer computes the same function of
 the same inputs.
 
+Chaining (`ClientConfig.chain`, on by default): once every hop has an open session, a step goes to the
+first hop naming the later ones, and each peer pushes its output straight to the next
+(docs/protocol.md). Every peer still replies its output to the client, so the history is the same as
+when relaying. A hop whose push did not leave is sent its input by the client; a hop that fails or
+misses its deadline is handled exactly like a relayed failure (above).
+
 Deadlines come from the peer's own recent figures (`SwarmClient.deadline`), so a frozen peer costs
 about `min_deadline` plus a few expected step times, not minutes. A peer whose decode steps become
 several times slower than usual for several steps in a row is avoided for the rest of the session.
@@ -27,14 +33,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client import peer_client
 from client.peer_client import PeerSession
 from client.routing import Hop
 from client.swarm_client import SwarmClient, retryable
-from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.errors import BadRequest, NoRoute, StepTimeout, SwarmError
 from swarm.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 
+PROBE_TIMEOUT = 0.5  # seconds a peer that missed a chained step's deadline has to answer an info call
 IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
 
 
@@ -61,6 +69,33 @@ class SlowDetector:
         if ms <= limit:
             self.normal.append(ms)
         return len(self.recent) == self.steps and statistics.median(self.recent) > limit
+
+
+class Inputs:
+    """The hidden states sent into one hop, positions [0, length), in a buffer that grows by doubling (up
+    to the session's max length): appending a token copies that token only, not the whole history."""
+
+    def __init__(self, x: torch.Tensor, max_length: int):
+        self.max_length = max_length
+        self.buf = x.new_empty(x.shape[0], min(max(2 * x.shape[1], 16), max_length), x.shape[2])
+        self.length = 0
+        self.append(x)
+
+    def view(self) -> torch.Tensor:
+        return self.buf[:, :self.length]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def append(self, x: torch.Tensor) -> None:
+        end = self.length + x.shape[1]
+        if end > self.buf.shape[1]:
+            grown = self.buf.new_empty(self.buf.shape[0], min(max(end, 2 * self.buf.shape[1]), self.max_length),
+                                       self.buf.shape[2])
+            grown[:, :self.length] = self.buf[:, :self.length]
+            self.buf = grown
+        self.buf[:, self.length:end] = x
+        self.length = end
 
 
 @dataclass
@@ -96,10 +131,12 @@ class InferenceSession:
         self.batch: int | None = None
         self.length = 0
         self.links: list[Link] = []
-        self.history: dict[int, torch.Tensor] = {}
+        self.history: dict[int, Inputs] = {}
         self.mask: torch.Tensor | None = None  # the attention mask of positions [0, length), when not all ones
         self.avoid: set[str] = set()  # peers too slow for this session
         self.failovers: list[Failover] = []
+        self.hop_inputs = {"sent": 0, "pushed": 0}  # hop inputs the client sent, and those a peer pushed on
+        self._chain_began = 0.0  # when the last chained step was sent: a failover's stall counts from there
         self.closed = False
         self._closing: set[asyncio.Task] = set()  # sessions of replaced hops, closed in the background
 
@@ -155,15 +192,21 @@ class InferenceSession:
         if not self.links:
             self.links = [Link(h) for h in await self.client.route(cache_tokens=self.batch * self.max_length)]
             logger.debug("route: %s", " -> ".join(str(h) for h in self.route))
-        for start in self.history:
-            self.history[start] = self.history[start][:, :position]
+        for inputs in self.history.values():
+            inputs.truncate(position)
+        # a rollback is relayed: peers take a pushed step only at the end of what its session has run
+        chainable = position == self.length
         # until this step succeeds, the session holds positions [0, position): a failed step leaves no trace
         self.length, self.mask = position, None if self.mask is None else self.mask[:, :position]
-        x, i = hidden.to(self.dtype), 0
+        x, i, failed = hidden.to(self.dtype), 0, None
         while i < len(self.links):
-            out = await self._through(i, x, position, mask)
-            start = self.links[i].hop.span.start
-            self.history[start] = torch.cat([self.history[start], x], dim=1) if position else x
+            if failed is None and chainable and self._can_chain(i):
+                i, x, failed = await self._chain(i, x, position, mask)
+                continue
+            self.hop_inputs["sent"] += failed is None
+            out = await self._through(i, x, position, mask, failed, self._chain_began if failed else None)
+            failed = None
+            self._record(i, x, position)
             x, i = out, i + 1
         self.length = position + tokens
         self.mask = mask
@@ -180,9 +223,12 @@ class InferenceSession:
             raise BadRequest(f"attention mask must be [{self.batch}, {total}], got {list(attention_mask.shape)}")
         return None if bool(attention_mask.all()) and self.mask is None else attention_mask
 
-    async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """Output of link `i` for `x`, replacing the link (and replaying) until a peer succeeds."""
-        began = time.perf_counter()
+    async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
+                       failed: SwarmError | None = None, began: float | None = None) -> torch.Tensor:
+        """Output of link `i` for `x`, replacing the link (and replaying) until a peer succeeds. `failed`: the
+        link's peer already failed this step (in a chained step that began at `began`), handled as if the
+        first attempt here had."""
+        began = time.perf_counter() if began is None else began
         failure: tuple[str, str, object] | None = None
         new_hops: tuple[str, ...] = ()
         retries = 0
@@ -190,10 +236,13 @@ class InferenceSession:
             if self.closed:
                 raise BadRequest("the inference session was closed during a step")
             link = self.links[i]
-            if link.slow:
+            if link.slow and failed is None:
                 await self._avoid_slow(i)
                 link = self.links[i]
             try:
+                if failed is not None:
+                    failed, error = None, failed
+                    raise error
                 if link.session is None:
                     await self._open(link, position, mask)
                 out = await self._step(link, x, position, mask)
@@ -278,12 +327,13 @@ class InferenceSession:
         self.client.measurements.cache(hop.peer, int(link.session.opened.get("cache_tokens_left", 0)))
         if position == 0:
             return
-        past = self.history.get(hop.span.start)
+        inputs = self.history.get(hop.span.start)
+        past = None if inputs is None else inputs.view()
         if past is None or past.shape[1] < position:
             raise RuntimeError(f"no history at block {hop.span.start} to replay")  # a bug, not a peer failure
         out = await self._step(link, past[:, :position], 0, None if mask is None else mask[:, :position])
         if hop.span.end < self.client.num_blocks and hop.span.end not in self.history:
-            self.history[hop.span.end] = out  # the next new hop's replay input
+            self.history[hop.span.end] = Inputs(out, self.max_length)  # the next new hop's replay input
 
     async def _step(self, link: Link, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
         hop, tokens = link.hop, x.shape[1]
@@ -291,11 +341,86 @@ class InferenceSession:
         started = time.perf_counter()
         out = await asyncio.wait_for(link.session.step(x, position, mask),
                                      self.client.deadline(hop, x.shape[0] * tokens))
-        ms = (time.perf_counter() - started) * 1e3
+        self._observe(link, (time.perf_counter() - started) * 1e3, tokens)
+        return out
+
+    def _observe(self, link: Link, ms: float, tokens: int) -> None:
+        hop = link.hop
         self.client.measurements.step(hop.peer, ms, link.session.last_compute_ms, tokens, len(hop.span))
         self.client.bans.succeeded(hop.peer)
         if link.detector.observe(ms, tokens):
             logger.warning("peer %s is slow (%.0f ms per step): avoiding it for this session",
                            describe_peer(hop.peer), ms)
             link.slow = True
-        return out
+
+    def _record(self, i: int, x: torch.Tensor, position: int) -> None:
+        """Keep `x`, the input of link `i` at `position`, for a replacement peer's replay."""
+        start = self.links[i].hop.span.start
+        if position:
+            self.history[start].append(x)
+        else:
+            self.history[start] = Inputs(x, self.max_length)
+
+    # ---- chained steps: peers pass activations straight to the next peer ----
+
+    async def _answers(self, peer: str) -> bool:
+        """Whether `peer` answers an info call promptly (a frozen peer does not; one whose push got lost does)."""
+        try:
+            await asyncio.wait_for(peer_client.info(self.client.node, peer), PROBE_TIMEOUT)
+            return True
+        except (asyncio.TimeoutError, SwarmError):
+            return False
+
+    def _can_chain(self, i: int) -> bool:
+        """Whether links `i`.. can take a chained step: chaining is on, at least two hops are left, each has an
+        open session used recently (a long-idle one may have been reclaimed: relaying finds out at once)."""
+        if not self.config.chain or i >= len(self.links) - 1:
+            return False
+        now = time.monotonic()
+        return all(link.session is not None and not link.slow and now - link.used_at < IDLE_REOPEN_S
+                   for link in self.links[i:])
+
+    async def _chain(self, i: int, x: torch.Tensor, position: int,
+                     mask: torch.Tensor | None) -> tuple[int, torch.Tensor, SwarmError | None]:
+        """Send `x` to link `i` naming every later link, then collect each link's output as the peers push
+        the step along. Returns where to go on: (the first link not done, its input, and the error of that
+        link's peer if it failed). A link that failed or stayed past its deadline is handled as in a relayed
+        step (reopened if it expired, else replaced and replayed); a link whose push did not leave hands the
+        next link to the client, which sends it the step itself."""
+        links = self.links[i:]
+        tokens, shape = x.shape[1], tuple(x.shape)
+        chain = [{"peer": link.hop.peer, "session": link.session.id, "step": link.session.reserve()}
+                 for link in links[1:]]
+        now = time.monotonic()
+        for link in links:
+            link.used_at = now
+        started = self._chain_began = time.perf_counter()
+        try:
+            step = await asyncio.wait_for(links[0].session.send(x, position, mask, chain=chain),
+                                          self.client.deadline(links[0].hop, shape[0] * tokens))
+        except asyncio.TimeoutError:
+            return i, x, StepTimeout(f"peer {describe_peer(links[0].hop.peer)} did not take a step in time")
+        except SwarmError as e:
+            return i, x, e
+        steps = [step] + [hop["step"] for hop in chain]
+        for j, link in enumerate(links):
+            if self.closed:
+                raise BadRequest("the inference session was closed during a step")
+            try:
+                out = await link.session.receive(steps[j], shape, self.client.deadline(link.hop, shape[0] * tokens))
+            except SwarmError as e:
+                if j and isinstance(e, StepTimeout) and await self._answers(link.hop.peer):
+                    # alive, so its input may be what went missing (a push lost on the way): send it directly
+                    logger.info("no chained output from peer %s for blocks %s, but it answers: sending it the "
+                                "step", describe_peer(link.hop.peer), link.hop.span)
+                    return i + j, x, None
+                return i + j, x, e
+            now = time.perf_counter()
+            self._observe(link, (now - started) * 1e3, tokens)
+            self.hop_inputs["sent" if j == 0 else "pushed"] += 1
+            started = now
+            self._record(i + j, x, position)
+            x = out
+            if j < len(links) - 1 and not link.session.pushed:
+                return i + j + 1, x, None
+        return len(self.links), x, None

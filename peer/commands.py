@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def register_peer(sub: argparse._SubParsersAction) -> None:
@@ -10,6 +11,10 @@ def register_peer(sub: argparse._SubParsersAction) -> None:
     from swarm.signals import add_service_command
 
     def load_serve():
+        # Compute threads sleep between steps instead of spinning: a spinning pool starves the network
+        # side (event loop, transport daemon) and other processes on the machine; measured on 2 cores,
+        # 3 local peers decode about 10% faster. Set before torch loads; an explicit setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from peer.server import serve  # torch and transformers: only when a peer actually runs
 
         return serve

@@ -35,6 +35,8 @@ class PeerConfig:
     host: str = option("127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     port: int = option(0, help="TCP port to listen on (0: any free port)")
     announce_host: str | None = option(None, help="public address to announce, if different from --host")
+    announce_port: int | None = option(None, help="public TCP port to announce, if different from --port (a "
+                                       "forwarded port or a proxy in front of this peer)")
     identity: Path | None = option(None, help="Ed25519 key file, created on first start (default: a new identity "
                                    "each start)")
     dtype: str = option("float32", help="dtype of weights and cache: float32, bfloat16 or float16")
@@ -47,6 +49,8 @@ class PeerConfig:
     step_timeout: float = option(60.0, help="seconds a step may take before it fails with a timeout")
     idle_timeout: float = option(300.0, help="seconds a session may stay silent before its cache is reclaimed")
     max_queue: int = option(256, help="steps waiting for compute at most; beyond that requests get 'busy'")
+    push: bool = option(True, help="pass a chained step's output straight to the next peer of the client's route "
+                        "(--no-push: the client relays it)")
     announce_interval: float = option(20.0, help="seconds between re-announcements")
     record_ttl: float = option(60.0, help="seconds an announcement stays valid without re-announcement")
     metrics_port: int | None = option(None, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: "
@@ -65,6 +69,7 @@ class PeerConfig:
             raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
                               "announcements")
         check_port(self.port, "--port")
+        check_port(self.announce_port, "--announce-port")
         check_port(self.metrics_port, "--metrics-port")
         if self.metrics_port == self.port != 0 and self.metrics_host == self.host:
             raise ConfigError(f"--metrics-port and --port are both {self.port}: give metrics a port of its own")

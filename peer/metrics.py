@@ -18,6 +18,7 @@ from swarm.http import HttpServer
 from swarm.metrics import LATENCY_BUCKETS, StateCollector
 
 INFO_LABELS = ("peer", "model", "start", "end", "version", "dtype")
+BATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def state(info: dict[str, Any]) -> list[tuple[str, str, float, dict[str, str]]]:
@@ -53,6 +54,8 @@ class PeerMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self._forward_compute = Histogram("swarm_peer_forward_compute_seconds", "compute time of a forward",
                                           buckets=LATENCY_BUCKETS, registry=r)
+        self._batch_size = Histogram("swarm_peer_batch_size", "sessions whose one-token steps shared one forward "
+                                     "(only forwards shared by two or more)", buckets=BATCH_BUCKETS, registry=r)
         self._step_latency = Histogram("swarm_peer_step_seconds", "a session step as the peer sees it: from its "
                                        "message read to its reply written (queue and compute included)",
                                        buckets=LATENCY_BUCKETS, registry=r)
@@ -71,6 +74,9 @@ class PeerMetrics:
         self._steps.inc()
         self._tokens.inc(tokens)
         self._step_compute.observe(compute_s)
+
+    def batched(self, sessions: int) -> None:
+        self._batch_size.observe(sessions)
 
     def step_replied(self, seconds: float) -> None:
         self._step_latency.observe(seconds)

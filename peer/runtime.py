@@ -3,56 +3,107 @@
 The event loop never computes; it submits a job and awaits its future. Invariants:
 - only the worker thread touches the blocks and session caches while a job runs;
 - the queue is bounded: a full queue is `Busy` at once, never a long wait;
-- a job whose caller gave up (timeout, disconnect) before it started is skipped.
+- a job whose caller gave up (timeout, disconnect) before it started is skipped, and never joins a batch.
+
+Batching: a job may carry a `Batch` (a key, a batch function, its owner, its rows). When the worker takes
+a batchable job from the head of the queue, it also takes every other queued job with the same key, at
+most one per owner, until `max_batch_rows` rows, and calls the batch function once with all their
+argument tuples; it returns one result or exception per job, and each job's future is settled alone.
+A batch of one runs as a plain job (`fn(*args)`). A `Batch` with key None is never batched; it only
+names the job's owner.
+
+Waiting for company: when the last call of a key was a batch of two or more owners, the worker holding
+the next job of that key waits until those owners have queued a job too, but never while a job of
+another kind is queued, and at most `BATCH_WAIT_SHARE` of that last call's time (`max_batch_wait` at
+most). Without it, sessions that decode together split into a batch of the first to arrive and a batch
+of the rest, and stay split. A batch that shrinks (a session left) costs that one wait.
+
+Order and fairness: the worker always takes the oldest job first, so jobs that are not batched keep FIFO
+order among themselves and every job becomes the head in turn; a job that joins a batch moves ahead of
+older jobs of other keys by that one batch, never more. Jobs of one owner (session) keep their order: a
+job never joins a batch while an older job of its owner is still queued, and two jobs of one owner never
+share a batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
 
 from swarm.errors import Busy, StepTimeout
 
 logger = logging.getLogger(__name__)
 
+# Rows (sum of the sessions' batch sizes) in one batched call at most: 8 full sessions at the default
+# --max-batch of 8. A batch's time grows with its rows, and every step in it waits for the whole batch.
+MAX_BATCH_ROWS = 64
+# Waiting for the rest of the last batch: at most this share of that batch's time, and this many seconds.
+BATCH_WAIT_SHARE = 0.5
+MAX_BATCH_WAIT = 0.1
+
+
+class Batch(NamedTuple):
+    """How a job may share one call with others: jobs with equal `key` run as `fn([args, ...])`, which
+    returns a sequence with one result or one exception (instance) per job, in order. A plain tuple
+    `(key, fn, owner[, rows])` is accepted wherever a `Batch` is."""
+
+    key: Hashable | None  # None: never batched
+    fn: Callable[[list[tuple]], Sequence[Any]]
+    owner: Hashable  # jobs of the same owner (session) keep their order and never share a call
+    rows: int = 1  # what the job adds to a batch's rows (`max_batch_rows`)
+
 
 class _Job:
-    __slots__ = ("fn", "args", "future", "loop")
+    __slots__ = ("fn", "args", "future", "loop", "batch")
 
-    def __init__(self, fn, args, future, loop):
-        self.fn, self.args, self.future, self.loop = fn, args, future, loop
+    def __init__(self, fn, args, future, loop, batch):
+        self.fn, self.args, self.future, self.loop, self.batch = fn, args, future, loop, batch
 
 
 class Runtime:
-    def __init__(self, max_queue: int = 256, name: str = "compute"):
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
+    def __init__(self, max_queue: int = 256, name: str = "compute", max_batch_rows: int = MAX_BATCH_ROWS,
+                 max_batch_wait: float = MAX_BATCH_WAIT):
+        self.max_queue, self.max_batch_rows, self.max_batch_wait = max_queue, max_batch_rows, max_batch_wait
+        self._jobs: deque[_Job] = deque()
+        self._ready = threading.Condition()
+        self._stopping = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self.jobs_done = 0
+        self.batches_run = 0  # calls of a batch function with more than one job
+        self.batched_jobs = 0  # jobs settled by those calls
+        self._last: dict[Hashable, tuple[frozenset, float]] = {}  # per key: owners and seconds of its last call
 
     def __enter__(self) -> Runtime:
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._queue.put(None)
+        with self._ready:
+            self._stopping = True  # the jobs already queued still run
+            self._ready.notify()
         self._thread.join(timeout=30)
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return len(self._jobs)
 
-    async def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """Run `fn(*args)` on the worker thread; Busy if the queue is full, StepTimeout after `timeout`."""
+    async def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+                  batch: Batch | tuple | None = None) -> Any:
+        """Run `fn(*args)` on the worker thread, or, with `batch`, possibly together with other jobs as
+        `batch.fn([args, ...])`; Busy if the queue is full, StepTimeout after `timeout`."""
+        batch = Batch(*batch) if batch is not None else None
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        try:
-            self._queue.put_nowait(_Job(fn, args, future, loop))
-        except queue.Full:
-            raise Busy(f"compute queue is full ({self._queue.maxsize} steps waiting); try another peer") from None
+        with self._ready:
+            if len(self._jobs) >= self.max_queue:
+                raise Busy(f"compute queue is full ({self.max_queue} steps waiting); try another peer")
+            self._jobs.append(_Job(fn, args, future, loop, batch))
+            self._ready.notify()
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
@@ -62,19 +113,101 @@ class Runtime:
             future.cancel()
             raise
 
+    def _take(self) -> list[_Job] | None:
+        """The next job, with the queued jobs that join its batch; None when stopping with nothing queued."""
+        with self._ready:
+            while True:
+                while self._jobs and self._jobs[0].future.cancelled():
+                    self._jobs.popleft()
+                if not self._jobs:
+                    if self._stopping:
+                        return None
+                    self._ready.wait()
+                    continue
+                head = self._jobs.popleft()
+                key = head.batch.key if head.batch is not None else None
+                if key is None:
+                    return [head]
+                self._await_company(head, key)
+                if not head.future.cancelled():  # its caller may have given up while it waited
+                    return self._gather(head, key)
+
+    def _await_company(self, head: _Job, key: Hashable) -> None:
+        """Wait (lock held, released while waiting) for the owners of the key's last batch to queue a job
+        too, so that a batch does not shrink to whoever came first."""
+        owners, took = self._last.get(key, (frozenset(), 0.0))
+        if len(owners) < 2:
+            return  # no batch of this key ran last: nobody to wait for
+        deadline = time.monotonic() + min(self.max_batch_wait, BATCH_WAIT_SHARE * took)
+        while not self._stopping:
+            here = {head.batch.owner}
+            for job in self._jobs:
+                if job.batch is None or job.batch.key != key:
+                    return  # other work is waiting: never hold it back
+                here.add(job.batch.owner)
+            left = deadline - time.monotonic()
+            if owners <= here or left <= 0:
+                return
+            self._ready.wait(left)
+
+    def _gather(self, head: _Job, key: Hashable) -> list[_Job]:
+        taken, owners, rows, kept = [head], {head.batch.owner}, head.batch.rows, deque()
+        for job in self._jobs:
+            b = job.batch
+            if job.future.cancelled():
+                continue  # dropped: its caller is gone
+            if b is not None and b.key == key and b.owner not in owners and rows + b.rows <= self.max_batch_rows:
+                taken.append(job)
+                owners.add(b.owner)
+                rows += b.rows
+            else:
+                if b is not None:
+                    owners.add(b.owner)  # a later job of this owner must not overtake this one
+                kept.append(job)
+        self._jobs = kept
+        return taken
+
     def _work(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            jobs = self._take()
+            if jobs is None:
                 return
-            if job.future.cancelled():
-                continue
-            try:
-                result, error = job.fn(*job.args), None
-            except BaseException as e:  # boundary: the error travels back to the awaiting request
-                result, error = None, e
-            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
-            self.jobs_done += 1
+            started = time.perf_counter()
+            if len(jobs) == 1:
+                job = jobs[0]
+                try:
+                    result = job.fn(*job.args)
+                except BaseException as e:  # boundary: the error travels back to the awaiting request
+                    _settle_error(job, e)
+                else:
+                    _settle_result(job, result)
+            else:
+                try:
+                    results = list(jobs[0].batch.fn([job.args for job in jobs]))
+                    if len(results) != len(jobs):
+                        raise RuntimeError(f"batch function returned {len(results)} results for {len(jobs)} jobs")
+                except BaseException as e:  # boundary: the batch's error travels back to every job in it
+                    logger.debug("batch of %d jobs failed: %r", len(jobs), e)
+                    results = [e] * len(jobs)
+                for job, result in zip(jobs, results):
+                    if isinstance(result, BaseException):
+                        _settle_error(job, result)
+                    else:
+                        _settle_result(job, result)
+                self.batches_run += 1
+                self.batched_jobs += len(jobs)
+            self.jobs_done += len(jobs)
+            if jobs[0].batch is not None and jobs[0].batch.key is not None:
+                self._last[jobs[0].batch.key] = (frozenset(j.batch.owner for j in jobs),
+                                                 time.perf_counter() - started)
+
+
+def _settle_result(job: _Job, result: Any) -> None:
+    job.loop.call_soon_threadsafe(_settle, job.future, result, None)
+
+
+def _settle_error(job: _Job, error: BaseException) -> None:
+    job.loop.call_soon_threadsafe(_settle, job.future, None, error)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

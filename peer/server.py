@@ -20,6 +20,7 @@ import torch
 from peer.announcer import Announcer
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
+from peer.push import Pusher
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
@@ -113,7 +114,8 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     dtype = parse_dtype(config.dtype)
     metrics = PeerMetrics()
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
-                    announce_host=config.announce_host, initial_peers=config.initial_peers) as node, \
+                    announce_host=config.announce_host, announce_port=config.announce_port,
+                    initial_peers=config.initial_peers) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
         name = describe_peer(node.peer_id)
         span = await choose_blocks(node, ckpt, model_id, config)
@@ -126,8 +128,10 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
         served = Served(node.peer_id, model_id, span, __version__, throughput, prefill_tps)
         with Runtime(config.max_queue) as runtime:
             servicer = Servicer(config, served, blocks, runtime, sessions, metrics)
+            servicer.pusher = Pusher(node) if config.push else None
             metrics.watch(servicer.info)
             await node.serve(wire.SESSION_PROTOCOL, servicer.serve_session)
+            await node.serve(wire.PUSH_PROTOCOL, servicer.serve_push)
             await node.serve(wire.FORWARD_PROTOCOL, servicer.serve_forward)
             await node.serve(wire.INFO_PROTOCOL, servicer.serve_info)
 
@@ -153,3 +157,5 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                 logger.info("peer %s leaving: announcing blocks %s offline", name, span)
                 with contextlib.suppress(Exception):  # leaving anyway: records expire if this fails
                     await asyncio.wait_for(asyncio.shield(announce("offline")), 5)
+                if servicer.pusher is not None:
+                    await servicer.pusher.close()

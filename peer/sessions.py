@@ -31,6 +31,11 @@ class Session:
     cache: object = None  # the SpanCache, created by the owner of the blocks
     steps: int = 0
     closed: bool = False
+    last_step: int = -1  # step ids only increase: a late duplicate (a push after the client relayed) is dropped
+    used_at: float = 0.0  # monotonic time of the last step, from the client or pushed by a peer
+    end: int = 0  # position after the last step taken: where a pushed step must start
+    pushes: int = 0  # pushed steps of this session in progress
+    send: object = None  # coroutine function sending a message to the session's client on its stream
 
 
 @dataclass
@@ -56,8 +61,9 @@ class SessionTable:
                              "max length")
         if len(self.sessions) >= self.max_sessions:
             raise Busy(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}; try another peer")
-        sid = f"s{next(self._counter)}-{secrets.token_hex(4)}"
-        session = Session(sid, span, batch, max_length, dtype, need, now)
+        # the id is also what lets a peer push steps into the session: unguessable (96 random bits)
+        sid = f"s{next(self._counter)}-{secrets.token_hex(12)}"
+        session = Session(sid, span, batch, max_length, dtype, need, now, used_at=now)
         self.sessions[sid] = session
         return session
 

@@ -11,6 +11,11 @@ Invariants:
   back to p, and a step past the cache end is refused.
 - The attention mask is built for every step with transformers' own mask functions, sized against
   the first layer of the span of each attention kind.
+- `decode_batch` runs one-token steps of several sessions as one forward: their caches are copied,
+  left-padded to the longest, into a temporary cache, and padding is masked out. Left padding keeps
+  the distance between the query (last) and every real key, so sliding windows stay right. Each
+  session's cache then gets only its own new key and value: it ends exactly as a step of its own
+  would have left it. A failed batch leaves every session cache untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -112,9 +118,8 @@ class SpanBlocks(torch.nn.Module):
         transformers generates).
         """
         run = cache.span if cache is not None else (span or self.span)
-        if not (self.span.start <= run.start and run.end <= self.span.end):
-            raise BadRequest(f"blocks {run} are not within the served blocks {self.span}")
-        self._check_step(hidden, cache, position, attention_mask)
+        self._check_within(run)
+        self.check_step(hidden, cache, position, attention_mask)
         if cache is not None:
             cache.rollback(position)
         kv = cache.kv if cache is not None else None
@@ -123,6 +128,79 @@ class SpanBlocks(torch.nn.Module):
         position_ids = self._position_ids(batch, new_tokens, position, attention_mask)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device, torch.bool)
+        return self._run(run, hidden, kv, position_ids, attention_mask)
+
+    @torch.inference_mode()
+    def decode_batch(self, items: Sequence[tuple[SpanCache, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """One-token steps of several sessions, at their caches' ends, as one forward; one output per item.
+
+        Each item is (cache, hidden [batch_i, 1, hidden], attention mask [batch_i, length_i + 1] or None);
+        all caches are of one span. The result equals running `self(hidden, cache, cache.length, mask)`
+        for each item (up to float rounding), caches included.
+        """
+        if not items:
+            return []
+        run = items[0][0].span
+        self._check_within(run)
+        lengths = []
+        for cache, hidden, mask in items:
+            if cache.span != run:
+                raise BadRequest(f"blocks {self.span}: a batch mixes spans {run} and {cache.span}")
+            self.check_step(hidden, cache, cache.length, mask)
+            if hidden.shape[1] != 1:
+                raise BadRequest(f"blocks {self.span}: a batched step takes one token, got {hidden.shape[1]}")
+            lengths.append(cache.length)
+        if len({id(cache) for cache, _, _ in items}) != len(items):
+            raise BadRequest(f"blocks {self.span}: a batch holds two steps of one session")
+        longest = max(lengths)
+        sizes = [hidden.shape[0] for _, hidden, _ in items]
+        rows = sum(sizes)
+        hidden = torch.cat([h.to(self.device, self.dtype) for _, h, _ in items])
+        mask = torch.zeros(rows, longest + 1, dtype=torch.bool, device=self.device)
+        position_ids, r = [], 0
+        for (_, _, own), length, size in zip(items, lengths, sizes):
+            mask[r:r + size, longest - length:] = True if own is None else own.to(self.device, torch.bool)
+            position_ids.append(self._position_ids(size, 1, length, own))
+            r += size
+        position_ids = torch.cat(position_ids)
+
+        kv = DynamicCache()
+        if longest:
+            for i in run:
+                keys, values = self._padded(items, lengths, sizes, longest, i)
+                kv.update(keys, values, i)
+        out = self._run(run, hidden, kv, position_ids, mask)
+
+        # Only now, with the forward done, does any session cache change: each gets its rows' new token.
+        for i in run:
+            new_keys, new_values = kv.layers[i].keys[:, :, -1:], kv.layers[i].values[:, :, -1:]
+            r = 0
+            for (cache, _, _), size in zip(items, sizes):
+                cache.kv.update(new_keys[r:r + size], new_values[r:r + size], i)
+                r += size
+        return list(out.split(sizes))
+
+    def _padded(self, items, lengths: list[int], sizes: list[int], longest: int,
+                layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of block `layer` of every item's cache, left-padded with zeros to `longest`."""
+        shape = next(c.kv.layers[layer].keys.shape for (c, _, _), n in zip(items, lengths) if n)
+        keys = torch.zeros(sum(sizes), shape[1], longest, shape[3], dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        r = 0
+        for (cache, _, _), length, size in zip(items, lengths, sizes):
+            if length:
+                keys[r:r + size, :, longest - length:] = cache.kv.layers[layer].keys
+                values[r:r + size, :, longest - length:] = cache.kv.layers[layer].values
+            r += size
+        return keys, values
+
+    def _check_within(self, run: Span) -> None:
+        if not (self.span.start <= run.start and run.end <= self.span.end):
+            raise BadRequest(f"blocks {run} are not within the served blocks {self.span}")
+
+    def _run(self, run: Span, hidden: torch.Tensor, kv: DynamicCache | None, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The blocks of `run` over `hidden`, with masks and rotary tables built as the family's model does."""
         offset = run.start - self.span.start
         layers = self.layers[offset:offset + len(run)]
         kinds = self.layer_types[offset:offset + len(run)]
@@ -149,8 +227,9 @@ class SpanBlocks(torch.nn.Module):
         ids = ids.masked_fill(mask == 0, 1)
         return ids[:, position:position + new_tokens].to(self.device)
 
-    def _check_step(self, hidden: torch.Tensor, cache: SpanCache | None, position: int,
-                    mask: torch.Tensor | None) -> None:
+    def check_step(self, hidden: torch.Tensor, cache: SpanCache | None, position: int,
+                   mask: torch.Tensor | None) -> None:
+        """`BadRequest` unless `hidden` at `position` (with `mask`) is a step these blocks can run on `cache`."""
         if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
             shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise BadRequest(f"blocks {self.span}: expected hidden states [batch, tokens, {self.hidden_size}], got {shape}")

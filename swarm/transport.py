@@ -131,12 +131,13 @@ class Node:
     """A DHT node with a libp2p daemon. `async with Node(...) as node:`; see the module docstring."""
 
     def __init__(self, identity: Identity, *, identity_path: str | Path | None = None, host: str = "127.0.0.1",
-                 port: int = 0, announce_host: str | None = None, initial_peers: Sequence[str] = (),
+                 port: int = 0, announce_host: str | None = None, announce_port: int | None = None,
+                 initial_peers: Sequence[str] = (),
                  client_mode: bool = False, dht_wait_timeout: float = 3.0):
         self.identity = identity
         self.peer_id = identity.peer_id
         self._identity_path = Path(identity_path) if identity_path else None
-        self.host, self.port, self.announce_host = host, port, announce_host
+        self.host, self.port, self.announce_host, self.announce_port = host, port, announce_host, announce_port
         self.initial_peers = list(initial_peers)
         self.client_mode = client_mode
         self.dht_wait_timeout = dht_wait_timeout
@@ -149,15 +150,18 @@ class Node:
             if "/p2p/" not in addr or not addr.startswith("/"):
                 raise ConfigError(f"initial peer {addr!r} is not a full multiaddr like "
                                   "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
-        if self.announce_host and not self.port:
-            raise ConfigError("--announce-host needs a fixed --port: the announced address must be reachable")
+        if self.announce_host and not (self.port or self.announce_port):
+            raise ConfigError("--announce-host needs a fixed --port (or --announce-port): the announced address must "
+                              "be reachable")
         with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
             key_path = self._identity_path
             if key_path is None:  # ephemeral identity: the daemon reads the file at start only
                 key_path = Path(tmp) / "identity.key"
                 self.identity.save(key_path)
             loopback = _is_loopback(self.host)
-            announce = [f"/ip4/{self.announce_host}/tcp/{self.port}"] if self.announce_host else None
+            announce = None
+            if self.announce_host or self.announce_port:
+                announce = [f"/ip4/{self.announce_host or self.host}/tcp/{self.announce_port or self.port}"]
             try:
                 self._p2p = await hm.P2P.create(
                     initial_peers=self.initial_peers or None, host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
@@ -262,7 +266,11 @@ class Node:
     async def open(self, peer: PeerId, protocol: str) -> Stream:
         """A new stream to `peer`; `ConnectionLost` if the peer cannot be reached or refuses the protocol."""
         try:
-            _, reader, writer = await self._p2p.call_binary_stream_handler(_hm().PeerID.from_base58(peer), protocol)
+            peer_id = _hm().PeerID.from_base58(peer)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise ConnectionLost(f"cannot open {protocol} to {str(peer)[:60]!r}: not a peer id ({e})") from None
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, protocol)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, _hm().P2PDaemonError,
                 _hm().P2PHandlerError) as e:
             raise ConnectionLost(f"cannot open {protocol} to peer {describe_peer(peer)}: {e}") from None

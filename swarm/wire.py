@@ -28,6 +28,7 @@ from swarm.errors import ProtocolError, SwarmError
 SESSION_PROTOCOL = "/swarm/session/1.0.0"  # long-lived: open, then steps, then close
 FORWARD_PROTOCOL = "/swarm/forward/1.0.0"  # one stateless forward of whole sequences
 INFO_PROTOCOL = "/swarm/info/1.0.0"  # what the peer serves and how loaded it is
+PUSH_PROTOCOL = "/swarm/push/1.0.0"  # peer -> next peer of a route: a chained step's input, no reply
 
 MAX_FRAME_BYTES = 4 * 2**20  # the transport caps one message at 4 MiB: bigger tensors are split
 MAX_HEADER_BYTES = 64 * 2**10  # headers are small JSON; anything bigger is an attack or a bug
@@ -39,9 +40,27 @@ _FRAME = struct.Struct(">IB")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 # Message types. Client -> peer: OPEN, STEP, CLOSE (session protocol), FORWARD, INFO.
-# Peer -> client: OPENED, OUTPUT, INFO (the reply), ERROR.
-OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR = (
-    "open", "opened", "step", "output", "close", "forward", "info", "error")
+# Peer -> client: OPENED, OUTPUT, INFO (the reply), ERROR. Peer -> peer: PUSH (push protocol).
+OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH = (
+    "open", "opened", "step", "output", "close", "forward", "info", "error", "push")
+MAX_CHAIN = 64  # hops a chained step may still name after the first
+
+
+@dataclass
+class Traffic:
+    """Bytes this process wrote with `write_message` and read with `read_message`, frame headers
+    included (what crosses the stream; the transport's own framing and encryption are not counted)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+TRAFFIC = Traffic()  # per process; plain integers, updated on the event loop that does the I/O
+
+
+def traffic() -> dict[str, int]:
+    """A snapshot of this process's `TRAFFIC`."""
+    return {"sent": TRAFFIC.sent, "received": TRAFFIC.received}
 
 
 @dataclass(frozen=True)
@@ -97,9 +116,18 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     return frames
 
 
+COALESCE_BYTES = 64 * 2**10  # frames up to this size in all go out in one write
+
+
 async def write_message(writer: asyncio.StreamWriter, msg: Message) -> None:
-    for frame in encode(msg):
-        writer.write(frame)
+    frames = encode(msg)
+    size = sum(len(f) for f in frames)
+    TRAFFIC.sent += size
+    if size <= COALESCE_BYTES:  # a decode step: one write (one syscall, one packet) rather than three
+        writer.write(b"".join(frames))
+    else:  # big tensors go as they are, uncopied
+        for frame in frames:
+            writer.write(frame)
     await writer.drain()
 
 
@@ -110,14 +138,18 @@ async def _read_frame(reader: asyncio.StreamReader, kind: int, limit: int, what:
         if not e.partial and kind == HEADER and what == "message":
             raise EOFError("stream closed") from None
         raise ProtocolError(f"stream ended in the middle of {what}") from None
+    TRAFFIC.received += _FRAME.size
     if got != kind:
         raise ProtocolError(f"expected a {'header' if kind == HEADER else 'data'} frame for {what}, got kind {got}")
     if length > limit:
         raise ProtocolError(f"frame of {length} bytes for {what} exceeds the limit of {limit}")
     try:
-        return await reader.readexactly(length)
+        payload = await reader.readexactly(length)
     except asyncio.IncompleteReadError as e:
+        TRAFFIC.received += len(e.partial)
         raise ProtocolError(f"{what} cut short: {len(e.partial)} of {length} bytes") from None
+    TRAFFIC.received += length
+    return payload
 
 
 def _check_descriptor(desc: Any, max_tensor_bytes: int) -> tuple[str, tuple[int, ...], int, int]:

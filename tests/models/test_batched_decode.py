@@ -1,0 +1,228 @@
+"""One-token steps of several sessions run as one forward equal the same steps run one at a time.
+
+Sessions sit at different positions (prompts of 3, 7 and 12 tokens, one of them a batch of 2 with left
+padding, one with no prompt at all) and decode greedily, once batched and once alone; logits within 1e-4
+(float32), greedy tokens identical, and every session cache equal afterwards. Sliding-window families
+are run past their window. Then the servicer's batch function: a bad step fails alone, a rollback step
+runs alone, the rest share one forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.metrics import PeerMetrics
+from peer.runtime import Runtime
+from peer.servicer import Served, Servicer
+from peer.sessions import SessionTable
+from swarm import wire
+from swarm.blocks import SpanBlocks, SpanCache
+from swarm.checkpoint import Checkpoint
+from swarm.errors import BadRequest, UnknownSession
+from swarm.head import ModelHead
+from swarm.span import Span
+
+pytestmark = pytest.mark.models
+
+TOLERANCE = 1e-4
+MAX_LENGTH = 48
+DECODE_STEPS = 8
+# (prompt length, session batch, left padding of its second row)
+SESSIONS = [(3, 1, 0), (7, 1, 0), (12, 2, 3), (0, 1, 0)]
+
+
+class Greedy:
+    """One session decoding greedily through `blocks`: tokens, its padding mask, its cache."""
+
+    def __init__(self, head: ModelHead, blocks: SpanBlocks, length: int, batch: int, pad: int, span: Span, seed: int):
+        self.head, self.blocks = head, blocks
+        self.cache = blocks.new_cache(batch, MAX_LENGTH, span)
+        g = torch.Generator().manual_seed(seed)
+        first = torch.randint(3, 256, (batch, 1), generator=g)
+        self.tokens = torch.cat([torch.randint(3, 256, (batch, length), generator=g), first], dim=1)
+        self.mask = None
+        if pad:
+            self.mask = torch.ones(batch, length + 1, dtype=torch.int64)
+            self.mask[1, :pad] = 0
+        self.logits: list[torch.Tensor] = []
+        if length:
+            self.blocks(head.embed(self.tokens[:, :length]), self.cache, 0,
+                        None if self.mask is None else self.mask[:, :length])
+
+    def step_input(self) -> tuple[SpanCache, torch.Tensor, torch.Tensor | None]:
+        """The pending step: the last token, at the cache's end."""
+        return self.cache, self.head.embed(self.tokens[:, -1:]), self.mask
+
+    def took(self, out: torch.Tensor) -> None:
+        logits = self.head.logits(out)[:, -1]
+        self.logits.append(logits)
+        self.tokens = torch.cat([self.tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], 1, dtype=self.mask.dtype)], dim=1)
+
+
+def sessions(head, blocks, span: Span) -> list[Greedy]:
+    return [Greedy(head, blocks, length, batch, pad, span, seed) for seed, (length, batch, pad) in enumerate(SESSIONS)]
+
+
+def assert_caches_equal(a: SpanCache, b: SpanCache) -> None:
+    assert a.length == b.length
+    for i in a.span:
+        torch.testing.assert_close(a.kv.layers[i].keys, b.kv.layers[i].keys, atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(a.kv.layers[i].values, b.kv.layers[i].values, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("family,span", [("llama", Span(0, 6)), ("mistral", Span(0, 6)),
+                                         ("gemma3_text", Span(0, 6)), ("mixtral", Span(0, 6)),
+                                         ("gemma3_text", Span(1, 5))])
+@torch.inference_mode()
+def test_batched_decode_equals_decode_alone(family, span, tiny_checkpoint):
+    path = tiny_checkpoint(family)
+    window = getattr(Checkpoint(path).config, "sliding_window", None)
+    longest = max(length for length, _, _ in SESSIONS) + DECODE_STEPS
+    assert window is None or window < longest, "the sliding window must matter in this test"
+    head, blocks = ModelHead(path), SpanBlocks(path, Span(0, 6))
+    alone, batched = sessions(head, blocks, span), sessions(head, blocks, span)
+
+    for _ in range(DECODE_STEPS):
+        for s in alone:
+            cache, hidden, mask = s.step_input()
+            s.took(blocks(hidden, cache, cache.length, mask))
+        outs = blocks.decode_batch([s.step_input() for s in batched])
+        for s, out in zip(batched, outs):
+            s.took(out)
+
+    for a, b in zip(alone, batched):
+        assert torch.equal(a.tokens, b.tokens), f"{family}: greedy tokens differ when batched"
+        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), atol=TOLERANCE, rtol=TOLERANCE)
+        assert_caches_equal(b.cache, a.cache)
+        assert b.cache.length == a.tokens.shape[1] - 1
+
+
+@torch.inference_mode()
+def test_a_bad_item_fails_the_batch_before_any_cache_changes(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    head, blocks = ModelHead(path), SpanBlocks(path, Span(0, 6))
+    good, bad = sessions(head, blocks, Span(0, 6))[:2]
+    lengths = good.cache.length, bad.cache.length
+    cache, hidden, _ = bad.step_input()
+    with pytest.raises(BadRequest, match="attention mask must be"):
+        blocks.decode_batch([good.step_input(), (cache, hidden, torch.ones(1, 3, dtype=torch.int64))])
+    with pytest.raises(BadRequest, match="one token"):
+        blocks.decode_batch([good.step_input(), (cache, torch.cat([hidden, hidden], dim=1), None)])
+    other = blocks.new_cache(1, MAX_LENGTH, Span(0, 3))
+    with pytest.raises(BadRequest, match="mixes spans"):
+        blocks.decode_batch([good.step_input(), (other, hidden, None)])
+    with pytest.raises(BadRequest, match="two steps of one session"):
+        blocks.decode_batch([good.step_input(), good.step_input()])
+    assert (good.cache.length, bad.cache.length) == lengths
+    assert blocks.decode_batch([]) == []
+
+
+# ---- the servicer's batch function ----
+
+class Gate:
+    def __init__(self):
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.started.set()
+        self.release.wait(10)
+
+
+def step_message(step: int, position: int, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> wire.Message:
+    tensors = (wire.blob_of(hidden),) + ((wire.blob_of(mask),) if mask is not None else ())
+    return wire.Message(wire.STEP, {"step": step, "position": position}, tensors)
+
+
+@torch.inference_mode()
+def test_servicer_batches_steps_and_fails_bad_ones_alone(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    blocks = SpanBlocks(path, Span(0, 6))
+    reference = SpanBlocks(path, Span(0, 6))
+    metrics = PeerMetrics()
+    config = PeerConfig(model=Path(path))
+    fields = {"model": "m", "start": 0, "end": 6, "max_length": MAX_LENGTH, "dtype": "float32"}
+    g = torch.Generator().manual_seed(0)
+
+    with Runtime() as runtime:
+        servicer = Servicer(config, Served("peer", "m", Span(0, 6), "v"), blocks, runtime,
+                            SessionTable(config.cache_tokens, config.max_sessions), metrics)
+        opened = [servicer._open({**fields, "batch": b}) for b in (1, 1, 2, 1, 1, 1)]
+        refs = [reference.new_cache(s.batch, MAX_LENGTH) for s in opened]
+        prompts = [torch.randn(s.batch, n, 64, generator=g) for s, n in zip(opened, (3, 7, 12, 5, 4, 6))]
+        for s, ref, prompt in zip(opened, refs, prompts):
+            servicer._compute_step(s, prompt, None, 0)
+            reference(prompt, ref, 0)
+        steps = [torch.randn(s.batch, 1, 64, generator=g) for s in opened]
+        steps[3][0, 0, 0] = float("nan")  # fails alone
+        servicer.sessions.close(opened[4].id)  # closed while its step waits
+        rollback = 2  # session 5 steps at position 2: it rolls back, so it runs alone
+        positions = [3, 7, 12, 5, 4, rollback]
+
+        async def main():
+            gate = Gate()
+            held = asyncio.create_task(runtime.run(gate))
+            await asyncio.to_thread(gate.started.wait, 10)
+            tasks = [asyncio.create_task(servicer._step(s, step_message(1, p, h))) for s, p, h in
+                     zip(opened, positions, steps)]
+            await asyncio.sleep(0.05)
+            assert runtime.queued == len(opened)
+            gate.release.set()
+            await held
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        replies = asyncio.run(main())
+        assert (runtime.batches_run, runtime.batched_jobs) == (1, 6)
+
+    assert isinstance(replies[3], BadRequest) and "NaN" in str(replies[3])
+    assert isinstance(replies[4], UnknownSession)
+    shared = [0, 1, 2]
+    for i in (*shared, 5):
+        out = wire.tensor_of(replies[i].tensors[0])
+        expected = reference(steps[i], refs[i], positions[i])
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        assert replies[i].fields["length"] == positions[i] + 1 == opened[i].cache.length
+        assert_caches_equal(opened[i].cache, refs[i])
+    assert len({replies[i].fields["compute_ms"] for i in shared}) == 1  # the shared forward's time
+    assert opened[3].cache.length == 5  # the bad step left its session's cache untouched
+    batch_sizes = {s.labels.get("le"): s.value for m in metrics.registry.collect() if m.name == "swarm_peer_batch_size"
+                   for s in m.samples if s.name.endswith("_bucket")}
+    assert batch_sizes["2.0"] == 0 and batch_sizes["3.0"] == 1  # one forward shared by the three good steps
+
+
+@torch.inference_mode()
+def test_a_session_closed_during_a_shared_forward_fails_no_other_session(tiny_checkpoint, monkeypatch):
+    """The event loop may close a session (its cache dropped) while its step is in a shared forward: the
+    others get their outputs, and the batch is grouped by similar cache lengths (a long cache is never
+    padded into short ones)."""
+    path = tiny_checkpoint("llama")
+    blocks = SpanBlocks(path, Span(0, 6))
+    config = PeerConfig(model=Path(path))
+    fields = {"model": "m", "start": 0, "end": 6, "max_length": 128, "batch": 1, "dtype": "float32"}
+    g = torch.Generator().manual_seed(1)
+    with Runtime() as runtime:
+        servicer = Servicer(config, Served("peer", "m", Span(0, 6), "v"), blocks, runtime,
+                            SessionTable(config.cache_tokens, config.max_sessions), PeerMetrics())
+        opened = [servicer._open(fields) for _ in range(4)]
+        for s, n in zip(opened, (3, 4, 5, 100)):  # 3, 4, 5 share a forward; 100 runs apart
+            servicer._compute_step(s, torch.randn(1, n, 64, generator=g), None, 0)
+        real, calls = blocks.decode_batch, []
+
+        def closing(items):
+            calls.append(len(items))
+            servicer.sessions.close(opened[0].id)  # as the event loop would, mid-forward
+            return real(items)
+
+        monkeypatch.setattr(blocks, "decode_batch", closing)
+        steps = [torch.randn(1, 1, 64, generator=g) for _ in opened]
+        results = servicer._compute_batch([(s, x, None, s.cache.length) for s, x in zip(opened, steps)])
+    assert calls == [3]  # one shared forward for the three short caches; the long one alone
+    assert all(isinstance(r, tuple) for r in results), results
+    assert [r[2] for r in results] == [4, 5, 6, 101]

@@ -1,0 +1,281 @@
+"""The compute runtime's batching rules, with plain functions for jobs: which queued jobs share a call,
+in what order jobs run, and how results and errors reach each caller.
+
+Every test first holds the worker with a gate job, queues the jobs under test, then releases it, so the
+queue's content when the worker looks at it is exact. The tests of waiting for company let a first batch
+take 0.4 s or 1 s, so the wait it allows (half of that) is far longer than any gap they leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from peer.runtime import Batch, Runtime
+from swarm.errors import Busy, StepTimeout
+
+pytestmark = pytest.mark.unit
+
+WAIT = 5.0  # seconds a test waits for the worker thread before declaring it stuck
+
+
+class Gate:
+    """A job that holds the worker until released."""
+
+    def __init__(self):
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.started.set()
+        if not self.release.wait(WAIT):
+            raise TimeoutError("the test never released the gate")
+        return "released"
+
+    async def wait_started(self):
+        assert await asyncio.to_thread(self.started.wait, WAIT), "the worker never started the job"
+
+
+class Recorder:
+    """Alone: `alone(x)` -> ('alone', x). Batched: `together([(x,), ...])` -> [('batch', x), ...]; both logged."""
+
+    def __init__(self, fail: set = frozenset(), delay: float = 0.0):
+        self.log: list[tuple] = []
+        self.fail, self.delay = fail, delay
+
+    def alone(self, x):
+        self.log.append(("alone", x))
+        return ("alone", x)
+
+    def together(self, items):
+        xs = [x for (x,) in items]
+        self.log.append(("batch", *xs))
+        time.sleep(self.delay)
+        return [ValueError(f"bad {x}") if x in self.fail else ("batch", x) for x in xs]
+
+
+async def held(rt: Runtime, jobs):
+    """Hold the worker, queue `jobs` (coroutine factories) in order, release; their results or errors."""
+    gate = Gate()
+    running = asyncio.create_task(rt.run(gate))
+    await gate.wait_started()
+    tasks = []
+    for job in jobs:
+        tasks.append(asyncio.create_task(job()))
+        await asyncio.sleep(0)  # let it enter the queue, in this order
+    gate.release.set()
+    await running
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def batchable(rt: Runtime, rec: Recorder, x, owner, key="k", rows: int = 1):
+    return lambda: rt.run(rec.alone, x, batch=Batch(key, rec.together, owner, rows))
+
+
+def plain(rt: Runtime, rec: Recorder, x):
+    return lambda: rt.run(rec.alone, x)
+
+
+def test_pending_jobs_of_one_key_share_one_call():
+    rec = Recorder()
+    with Runtime() as rt:
+        results = asyncio.run(held(rt, [batchable(rt, rec, x, owner=x) for x in "abcd"]))
+        assert (rt.batches_run, rt.batched_jobs, rt.jobs_done) == (1, 4, 5)
+    assert rec.log == [("batch", "a", "b", "c", "d")]
+    assert results == [("batch", x) for x in "abcd"]  # each caller gets its own result
+
+
+def test_a_batch_of_one_runs_as_a_plain_job():
+    rec = Recorder()
+
+    async def main(rt):
+        return await batchable(rt, rec, "a", owner="a")()
+
+    with Runtime() as rt:
+        assert asyncio.run(main(rt)) == ("alone", "a")
+        assert rt.batches_run == 0
+    assert rec.log == [("alone", "a")]
+
+
+def test_keys_do_not_mix_and_tuples_are_batches():
+    rec = Recorder()
+    with Runtime() as rt:
+        jobs = [batchable(rt, rec, "a1", "a", key="x"), batchable(rt, rec, "b1", "b", key="y"),
+                lambda: rt.run(rec.alone, "c1", batch=("x", rec.together, "c")),
+                batchable(rt, rec, "d1", "d", key="y")]
+        asyncio.run(held(rt, jobs))
+    assert rec.log == [("batch", "a1", "c1"), ("batch", "b1", "d1")]
+
+
+def test_jobs_of_one_session_never_share_a_batch_and_keep_their_order():
+    rec = Recorder()
+    with Runtime() as rt:
+        jobs = [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b"), batchable(rt, rec, "a2", "a"),
+                batchable(rt, rec, "c1", "c"), batchable(rt, rec, "a3", "a"), batchable(rt, rec, "b2", "b")]
+        asyncio.run(held(rt, jobs))
+    assert rec.log == [("batch", "a1", "b1", "c1"), ("batch", "a2", "b2"), ("alone", "a3")]
+
+
+def test_a_job_never_overtakes_an_unbatched_job_of_its_session():
+    rec = Recorder()
+    with Runtime() as rt:
+        jobs = [batchable(rt, rec, "b1", "b"),
+                lambda: rt.run(rec.alone, "a-prefill", batch=(None, rec.together, "a")),  # never batched
+                batchable(rt, rec, "a1", "a"), batchable(rt, rec, "c1", "c")]
+        asyncio.run(held(rt, jobs))
+    assert rec.log == [("batch", "b1", "c1"), ("alone", "a-prefill"), ("alone", "a1")]
+
+
+def test_plain_jobs_keep_fifo_order():
+    rec = Recorder()
+    with Runtime() as rt:
+        jobs = [plain(rt, rec, "p1"), batchable(rt, rec, "a1", "a"), plain(rt, rec, "p2"),
+                batchable(rt, rec, "b1", "b"), plain(rt, rec, "p3")]
+        asyncio.run(held(rt, jobs))
+    # b1 rides with a1 ahead of p2: by one batch, never more; the plain jobs stay in order
+    assert rec.log == [("alone", "p1"), ("batch", "a1", "b1"), ("alone", "p2"), ("alone", "p3")]
+
+
+def test_batch_rows_are_bounded():
+    rec = Recorder()
+    with Runtime(max_batch_rows=4) as rt:
+        jobs = [batchable(rt, rec, "a", "a", rows=2), batchable(rt, rec, "b", "b", rows=3),
+                batchable(rt, rec, "c", "c", rows=2), batchable(rt, rec, "d", "d", rows=1),
+                batchable(rt, rec, "e", "e", rows=5)]
+        asyncio.run(held(rt, jobs))
+    # e is larger than a batch: it still runs, alone
+    assert rec.log == [("batch", "a", "c"), ("batch", "b", "d"), ("alone", "e")]
+
+
+def test_a_cancelled_job_is_skipped_before_the_batch_is_built():
+    rec = Recorder()
+
+    async def give_up():
+        with pytest.raises(StepTimeout):
+            await rt.run(rec.alone, "late", timeout=0.01, batch=Batch("k", rec.together, "late"))
+        return "gave up"
+
+    with Runtime() as rt:
+        gate = Gate()
+
+        async def main():
+            running = asyncio.create_task(rt.run(gate))
+            await gate.wait_started()
+            first = asyncio.create_task(batchable(rt, rec, "a", "a")())
+            assert await give_up() == "gave up"  # timed out while queued
+            second = asyncio.create_task(batchable(rt, rec, "b", "b")())
+            await asyncio.sleep(0)
+            gate.release.set()
+            await running
+            return await first, await second
+
+        assert asyncio.run(main()) == (("batch", "a"), ("batch", "b"))
+    assert rec.log == [("batch", "a", "b")]
+
+
+def test_an_error_of_one_item_fails_only_that_item():
+    rec = Recorder(fail={"b"})
+    with Runtime() as rt:
+        results = asyncio.run(held(rt, [batchable(rt, rec, x, owner=x) for x in "abc"]))
+    assert results[0] == ("batch", "a") and results[2] == ("batch", "c")
+    assert isinstance(results[1], ValueError) and str(results[1]) == "bad b"
+
+
+def test_a_failing_batch_function_fails_each_job_and_the_runtime_goes_on():
+    error = RuntimeError("the forward broke")
+
+    def broken(items):
+        raise error
+
+    def wrong_count(items):
+        return [1]
+
+    async def main(rt):
+        first = await held(rt, [lambda o=o: rt.run(str, o, batch=("k", broken, o)) for o in "ab"])
+        second = await held(rt, [lambda o=o: rt.run(str, o, batch=("k", wrong_count, o)) for o in "ab"])
+        return first, second, await rt.run(str, "after")
+
+    with Runtime() as rt:
+        first, second, after = asyncio.run(main(rt))
+    assert first == [error, error]
+    assert all(isinstance(r, RuntimeError) and "1 results for 2 jobs" in str(r) for r in second)
+    assert after == "after"
+
+
+def test_full_queue_is_busy_at_once_for_batchable_jobs():
+    rec = Recorder()
+    gate = Gate()
+
+    async def main(rt):
+        running = asyncio.create_task(rt.run(gate))
+        await gate.wait_started()
+        queued = [asyncio.create_task(batchable(rt, rec, x, x)()) for x in "ab"]
+        await asyncio.sleep(0)
+        assert rt.queued == 2
+        try:
+            with pytest.raises(Busy, match="queue is full"):
+                await asyncio.wait_for(batchable(rt, rec, "c", "c")(), WAIT)
+        finally:
+            gate.release.set()
+        await running
+        return await asyncio.gather(*queued)
+
+    with Runtime(max_queue=2) as rt:
+        assert asyncio.run(main(rt)) == [("batch", "a"), ("batch", "b")]
+        assert rt.queued == 0
+
+
+# ---- waiting for the rest of the last batch ----
+
+def test_the_next_job_waits_for_the_owners_of_the_last_batch():
+    rec = Recorder(delay=0.4)  # the wait allowed after it: 0.2 s
+
+    async def main(rt):
+        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
+        rec.delay = 0.0
+        first = asyncio.create_task(batchable(rt, rec, "a2", "a")())
+        await asyncio.sleep(0.03)  # b's next step comes a little later, as over a network
+        second = asyncio.create_task(batchable(rt, rec, "b2", "b")())
+        return await first, await second
+
+    with Runtime(max_batch_wait=5.0) as rt:
+        assert asyncio.run(main(rt)) == (("batch", "a2"), ("batch", "b2"))
+    assert rec.log == [("batch", "a1", "b1"), ("batch", "a2", "b2")]
+
+
+def test_waiting_for_an_owner_that_left_is_bounded():
+    rec = Recorder(delay=0.4)
+
+    async def main(rt):
+        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
+        rec.delay = 0.0
+        started = time.monotonic()
+        second = await batchable(rt, rec, "a2", "a")()  # b is gone: a waits once, then runs alone
+        third = await batchable(rt, rec, "a3", "a")()  # the last call had one owner: no wait
+        return second, third, time.monotonic() - started
+
+    with Runtime(max_batch_wait=5.0) as rt:
+        second, third, took = asyncio.run(main(rt))
+    assert (second, third) == (("alone", "a2"), ("alone", "a3"))
+    assert 0.15 <= took < 2.0
+
+
+def test_other_work_is_never_held_back_by_waiting():
+    rec = Recorder(delay=1.0)  # the wait allowed after it: 0.5 s
+
+    async def main(rt):
+        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
+        rec.delay = 0.0
+        started = time.monotonic()
+        waiting = asyncio.create_task(batchable(rt, rec, "a2", "a")())
+        await asyncio.sleep(0.01)
+        other = await plain(rt, rec, "p")()  # ends the wait for b
+        return await waiting, other, time.monotonic() - started
+
+    with Runtime(max_batch_wait=5.0) as rt:
+        waited, other, took = asyncio.run(main(rt))
+    assert (waited, other) == (("alone", "a2"), ("alone", "p"))
+    assert took < 0.4
+    assert rec.log[-2:] == [("alone", "a2"), ("alone", "p")]
