@@ -130,7 +130,8 @@ def main() -> None:
              f"| transformers, local | {med['local']['ttft_s'] * 1e3:.0f} | {med['local']['tokens_per_s']:.1f} |",
              f"| ratio | | {med['swarm']['tokens_per_s'] / med['local']['tokens_per_s']:.2f}x |", "",
              f"Failover: with two replicas of [10:20), the peer in use for block 10 is faulted after {FAULT_AFTER} "
-             f"tokens; {args.trials} trials each.", "",
+             f"tokens; {args.trials} trials each. Steps are chained (the client's default): a frozen peer costs its "
+             "deadline, then a 0.5 s info probe, then the failover.", "",
              "| fault | stall, median (s) | stall, max (s) | longest gap between tokens (s) | tokens same as no fault |",
              "|---|---|---|---|---|"]
     for name, rows in stalls.items():
