@@ -26,6 +26,7 @@ from swarm.transport import Node, describe_peer
 logger = logging.getLogger(__name__)
 
 MAX_PINGS = 32  # peers pinged per refresh at most; the rest keep the default delay until used
+SECOND_CHANCE = ("timeout", "connection_lost")  # bans lifted by a successful ping when there is no other route
 RETRYABLE = ("connection_lost", "timeout", "busy", "out_of_cache", "not_serving", "unknown_session", "protocol",
              "internal")
 
@@ -110,9 +111,10 @@ class SwarmClient:
                     ) -> list[Hop]:
         """The cheapest chain covering `span` (default: every block), refreshing the view if it has none.
 
-        If no chain exists, the view is re-read once; then peers banned only for timing out get one ping
-        each (a peer that answers is forgiven), since a slow moment must not end a generation that has no
-        alternative. Still nothing: `NoRoute` naming the missing blocks.
+        If no chain exists, the view is re-read once; then peers banned for timing out or for a lost
+        connection get one ping each (a peer that answers is forgiven), since a slow moment or a transient
+        dial failure must not end a generation that has no alternative. Still nothing: `NoRoute` naming
+        the missing blocks.
         """
         span = span or self.span
         await self.refresh()
@@ -124,7 +126,8 @@ class SwarmClient:
             return self._find(span, cache_tokens, exclude)
         except NoRoute:
             timed_out = [p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
-                         and self.bans.reasons.get(p) == "timeout" and o.span.start < span.end and span.start < o.span.end]
+                         and self.bans.reasons.get(p) in SECOND_CHANCE and o.span.start < span.end
+                         and span.start < o.span.end]
             if not timed_out:
                 raise
             for peer, rtt in zip(timed_out, await self.ping_all(timed_out)):

@@ -98,3 +98,21 @@ def test_a_session_reclaimed_while_idle_is_reopened_on_the_same_peers(remote, lo
         assert torch.allclose(torch.cat([first, second], 1), expected, atol=1e-4)
         assert [str(h) for h in session.route] == route and session.failovers == []
     assert not any(client.bans.banned(h.peer) for h in remote.route())
+
+
+def test_a_banned_peer_that_answers_a_ping_is_used_when_there_is_no_other_route(remote):
+    """The only peer of some blocks, banned after a lost connection (a dial can fail once), is pinged and
+    forgiven rather than ending the generation; a peer banned for a protocol error is not."""
+    from swarm.errors import NoRoute
+
+    client = remote.connection.client
+    only = next(h.peer for h in remote.route() if h.span.start == 2)
+    try:
+        client.ban(only, "connection_lost")
+        assert only in [h.peer for h in remote.connection.run(client.route())]
+        assert not client.bans.banned(only)
+        client.ban(only, "protocol")
+        with pytest.raises(NoRoute, match="blocks \\[2:4\\)"):
+            remote.connection.run(client.route())
+    finally:
+        client.bans.lift(only)
