@@ -10,7 +10,6 @@ runs alone, the rest share one forward.
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from swarm.checkpoint import Checkpoint
 from swarm.errors import BadRequest, UnknownSession
 from swarm.head import ModelHead
 from swarm.span import Span
+from runtime_gate import Gate
 
 pytestmark = pytest.mark.models
 
@@ -126,14 +126,6 @@ def test_a_bad_item_fails_the_batch_before_any_cache_changes(tiny_checkpoint):
 
 
 # ---- the servicer's batch function ----
-
-class Gate:
-    def __init__(self):
-        self.started, self.release = threading.Event(), threading.Event()
-
-    def __call__(self):
-        self.started.set()
-        self.release.wait(10)
 
 
 def step_message(step: int, position: int, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> wire.Message:

@@ -9,33 +9,15 @@ take 0.4 s or 1 s, so the wait it allows (half of that) is far longer than any g
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 
 from peer.runtime import Batch, Runtime
 from swarm.errors import Busy, StepTimeout
+from runtime_gate import Gate, WAIT
 
 pytestmark = pytest.mark.unit
-
-WAIT = 5.0  # seconds a test waits for the worker thread before declaring it stuck
-
-
-class Gate:
-    """A job that holds the worker until released."""
-
-    def __init__(self):
-        self.started, self.release = threading.Event(), threading.Event()
-
-    def __call__(self):
-        self.started.set()
-        if not self.release.wait(WAIT):
-            raise TimeoutError("the test never released the gate")
-        return "released"
-
-    async def wait_started(self):
-        assert await asyncio.to_thread(self.started.wait, WAIT), "the worker never started the job"
 
 
 class Recorder:

@@ -17,11 +17,11 @@ from peer.sessions import SessionTable
 from swarm.config import add_options, from_args
 from swarm.errors import Busy, ConfigError, OutOfCache, StepTimeout, UnknownSession
 from swarm.span import Span
+from runtime_gate import Gate, WAIT
 
 pytestmark = pytest.mark.unit
 
 SPAN = Span(0, 2)
-WAIT = 5.0  # seconds a test waits for the worker thread before declaring it stuck
 
 
 # ---- sessions ----
@@ -95,22 +95,6 @@ def test_runtime_propagates_the_job_exception():
     with Runtime() as rt, pytest.raises(KeyError) as info:
         asyncio.run(rt.run(fail))
     assert info.value is error
-
-
-class Gate:
-    """A job that holds the worker until released, so queue states can be set up exactly."""
-
-    def __init__(self):
-        self.started, self.release = threading.Event(), threading.Event()
-
-    def __call__(self):
-        self.started.set()
-        if not self.release.wait(WAIT):
-            raise TimeoutError("the test never released the gate")
-        return "released"
-
-    async def wait_started(self):
-        assert await asyncio.to_thread(self.started.wait, WAIT), "the worker never started the job"
 
 
 def test_full_queue_is_busy_at_once():
