@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import sys
 import tempfile
@@ -39,13 +38,12 @@ from swarm.checkpoint import Checkpoint  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
 from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
-from swarm.launch import LocalSwarm, wait_until  # noqa: E402
+from swarm.launch import LocalSwarm  # noqa: E402
 from swarm.span import Span  # noqa: E402
 from swarm.transport import Node  # noqa: E402
 
 MODEL_ID = "bench-batching"
 WARMUP_STEPS = 3
-METRICS_LINE = re.compile(r"peer \S+ metrics at (http://\S+/metrics)")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -101,7 +99,7 @@ def run(counts: list[int], steps: int, rounds: int) -> dict[int, tuple[float, fl
         peer = net.start_peer("peer", path, "--blocks", f"0:{ckpt.num_blocks}", "--model-id", MODEL_ID,
                               "--cache-tokens", str(cache_tokens), "--max-sessions", str(max(counts) + 1),
                               "--metrics-port", "0", timeout=300)
-        url = wait_until(lambda: (m := METRICS_LINE.search(peer.text())) and m.group(1), 30, "the metrics line")
+        url = net.metrics_url(peer)
         with LoopThread() as lt:
             async def main() -> dict[int, tuple[float, float]]:
                 async with Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True) as node:

@@ -9,6 +9,7 @@ the swarm's directory and are shown when a wait fails.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.identity import load_or_create
+
+METRICS_LINE = re.compile(r"peer \S+ metrics at (http://\S+/metrics)")
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1, diagnostics=lambda: ""):
     deadline = time.monotonic() + timeout
@@ -126,6 +129,16 @@ class LocalSwarm:
         proc = self._spawn(name, ["monitor", "--initial-peers", *self.bootstrap_addrs, "--port", "0", *extra])
         proc.extra["url"] = self._wait_url(proc, "monitor at ", timeout)
         return proc
+
+    def metrics_url(self, proc: Proc, timeout: float = 30) -> str:
+        """The `/metrics` URL a peer started with `--metrics-port` logs once it serves them."""
+        def url():
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.text()[-3000:]}")
+            found = METRICS_LINE.search(proc.text())
+            return found and found.group(1)
+
+        return wait_until(url, timeout, f"{proc.name} to log its metrics URL", diagnostics=lambda: proc.text()[-3000:])
 
     def _wait_url(self, proc: Proc, prefix: str, timeout: float) -> str:
         """The URL that `proc` prints on a line starting with `prefix` once it serves."""

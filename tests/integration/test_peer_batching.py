@@ -9,7 +9,6 @@ greedy tokens identical; the peer's `swarm_peer_batch_size` histogram shows shar
 from __future__ import annotations
 
 import asyncio
-import re
 import urllib.request
 
 import pytest
@@ -19,11 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import peer_client
 from swarm.head import ModelHead
 from swarm.span import Span
-from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node, wait_until
+from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node
 
 pytestmark = pytest.mark.integration
 
-METRICS_LINE = re.compile(r"peer \S+ metrics at (http://\S+/metrics)")
 ALL = Span(0, 6)
 MAX_LENGTH, DECODE_STEPS = 40, 10
 # (prompt length, batch, left padding of the second row)
@@ -43,9 +41,7 @@ def batching_peer(tmp_path_factory, tiny_llama):
 
 @pytest.fixture(scope="module")
 def url(batching_peer) -> str:
-    proc = batching_peer.procs["batcher"]
-    return wait_until(lambda: (m := METRICS_LINE.search(proc.text())) and m.group(1), 30, "the metrics line",
-                      diagnostics=lambda: proc.text()[-3000:])
+    return batching_peer.metrics_url(batching_peer.procs["batcher"])
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ figure is checked as a difference between two scrapes, so the peer's self-measur
 
 from __future__ import annotations
 
-import re
 import socket
 import urllib.request
 
@@ -23,7 +22,6 @@ from swarm_harness import CACHE_TOKENS, MODEL_ID, PEER_OPTIONS, LocalSwarm, clie
 
 pytestmark = pytest.mark.integration
 
-METRICS_LINE = re.compile(r"peer \S+ metrics at (http://\S+/metrics)")
 ALL = Span(0, 6)
 BATCH, MAX_LENGTH = 2, 32
 
@@ -44,9 +42,7 @@ def metered(tmp_path_factory, tiny_llama):
 
 @pytest.fixture(scope="module")
 def url(metered) -> str:
-    proc = metered.procs["metered"]
-    return wait_until(lambda: (m := METRICS_LINE.search(proc.text())) and m.group(1), 30, "the metrics line",
-                      diagnostics=lambda: proc.text()[-3000:])
+    return metered.metrics_url(metered.procs["metered"])
 
 
 @pytest.fixture(scope="module")
