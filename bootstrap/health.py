@@ -64,9 +64,11 @@ class PeerView:
     start: int
     end: int
     state: str
-    throughput: float  # tokens/s of a batch-1 decode step through the span (self-reported)
+    throughput: float  # tokens/s of a batch-1 decode step through the span (measured by the peer, live when it
+    # answered, else from its record)
     cache_tokens_left: int  # from the info reply when the peer answered, else from its record
     sessions: int | None  # open sessions, when the peer answered
+    queued: int | None  # steps waiting for the peer's compute, when it answered
     version: str
     latency_ms: float | None  # round trip of the info call; None when not pinged or no answer
     record_age_s: float  # seconds since the peer issued its record
@@ -122,8 +124,11 @@ def peer_view(ann: Announcement, ping: Ping | None, now: float) -> PeerView:
         state = "online" if confirms(ann, ping) else "unreachable"
     info = ping.info if state == "online" else {}
     cache_left = _as_int(info.get("cache_tokens_left"))
-    return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, ann.throughput,
+    live = info.get("throughput")
+    throughput = float(live) if type(live) in (int, float) and math.isfinite(live) and live >= 0 else ann.throughput
+    return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, throughput,
                     ann.cache_tokens_left if cache_left is None else cache_left, _as_int(info.get("sessions")),
+                    _as_int(info.get("queued")),
                     ann.version, round(ping.latency_ms, 2) if state == "online" else None,
                     round(max(0.0, now - ann.issued_at), 1))
 

@@ -5,6 +5,10 @@ Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POS
 `GET /metrics` (Prometheus). One process, one event loop: the HTTP server, a client-mode DHT node and
 every generation (`client.generation`) share it; the head runs in a small thread pool.
 
+A generation whose blocks lost their last peer waits for them (`ClientConfig.wait_for_blocks`); a
+stream that has started meanwhile gets an SSE comment (`: waiting for blocks ...`) every
+`KEEPALIVE_S`, so that clients and proxies keep the connection open. A request not streamed just waits.
+
 Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`):
 400 invalid parameters, 404 unknown model or path, 405 wrong method, 408 a body that does not arrive in
 time, 413 an oversize body, 503 with `Retry-After` when some blocks have no live peer or every
@@ -44,6 +48,7 @@ logger = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 STREAMING = web.RequestKey("streaming", bool)  # set once a response's head is sent: errors go into the stream
+KEEPALIVE_S = 5.0  # seconds between SSE comments while a started stream waits for blocks
 CHARS_PER_TOKEN = 16  # a prompt longer than context x this many characters cannot fit: refused untokenized
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -194,6 +199,7 @@ class Gateway:
         self.waiting = 0
         self.running = 0
         self.server: http.HttpServer | None = None
+        self.keepalive_s = KEEPALIVE_S
         self.registry = CollectorRegistry()
         self._metrics()
 
@@ -457,7 +463,7 @@ class Gateway:
         try:
             for chunk in out.opening() + out.chunks(first):
                 await writer.send(chunk)
-            async for deltas in events:
+            while (deltas := await self._next(events, gen, writer)) is not None:
                 self._timed(last)
                 for chunk in out.chunks(deltas):
                     await writer.send(chunk)
@@ -473,6 +479,23 @@ class Gateway:
         await writer.send_raw(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _next(self, events, gen: Generation, writer: _Writer) -> list | None:
+        """The next deltas of a started stream (None at its end); while the generation waits for blocks to be
+        served again, an SSE comment every `keepalive_s` keeps the connection open."""
+        task = asyncio.ensure_future(anext(events, None))
+        try:
+            for _ in range(1_000_000):  # bounded; a wait for blocks ends within `wait_for_blocks` anyway
+                done, _pending = await asyncio.wait({task}, timeout=self.keepalive_s)
+                if done:
+                    return task.result()
+                if gen.waiting:
+                    await writer.send_raw(f": {gen.waiting}\n\n".encode())
+            raise RuntimeError("a generation step never ended")
+        finally:
+            if not task.done():  # the client went away or we were cancelled: the step goes too
+                task.cancel()
+                await asyncio.wait({task})
 
 
 class _ClientGone(Exception):

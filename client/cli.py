@@ -47,11 +47,14 @@ def generation_kwargs(args: argparse.Namespace, tokenizer) -> dict:
     return {**kwargs, **sampling}
 
 
-def open_model(args: argparse.Namespace, path: Path):
+def open_model(args: argparse.Namespace, path: Path, tag: str):
     from client.model import DistributedModelForCausalLM
 
     config = from_args(ClientConfig, args)
-    return DistributedModelForCausalLM.from_pretrained(path, config=config)
+    model = DistributedModelForCausalLM.from_pretrained(path, config=config)
+    # on a line of its own: the answer streams to stdout, maybe in the middle of a line
+    model.on_wait = lambda message: print(f"\n[{tag}] {message}", file=sys.stderr, flush=True)
+    return model
 
 
 class TimedStreamer:
@@ -111,7 +114,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     path = model_path(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    with open_model(args, path) as model:
+    with open_model(args, path, "generate") as model:
         print(f"[generate] route: {describe_route(model.route())}", file=sys.stderr)
         stats = stream_answer(model, tokenizer, args.prompt, args, chat=args.chat)
     print(file=sys.stderr)
@@ -127,7 +130,7 @@ def run_chat(args: argparse.Namespace) -> int:
     if not tokenizer.chat_template:
         raise ConfigError(f"{path} has no chat template: use `swarm generate` instead")
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with open_model(args, path) as model, model.inference_session(max_length=args.max_length) as session:
+    with open_model(args, path, "chat") as model, model.inference_session(max_length=args.max_length) as session:
         print(f"[chat] route: {describe_route(model.route())}; an empty line ends the chat", file=sys.stderr)
         for _turn in range(10_000):
             try:
@@ -181,14 +184,18 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps({"model": model_id, "num_blocks": num_blocks, "uncovered": uncovered, "peers": [
             {"peer": p.peer, "start": p.span.start, "end": p.span.end, "state": p.state, "throughput": p.throughput,
              "cache_tokens_left": p.cache_tokens_left, "version": p.version,
-             "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2)} for p in peers]}, indent=2))
+             "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
+             "sessions": p.sessions, "queued": p.queued, "since": p.since, "links": p.links} for p in peers]},
+            indent=2))
         return 0
     online = sum(p.state == "online" for p in peers)
     print(f"model {model_id}: {num_blocks} blocks, {len(peers)} peers announced, {online} online")
-    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'TOKENS/S':>9} {'CACHE LEFT':>11} {'LATENCY':>9}  VERSION")
+    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'TOKENS/S':>9} {'CACHE LEFT':>11} {'SESSIONS':>8} "
+          f"{'QUEUED':>6} {'LATENCY':>9}  VERSION")
     for p in peers:
         latency = "-" if p.latency_ms is None else f"{p.latency_ms:.1f} ms"
+        sessions, queued = ("-" if v is None else str(v) for v in (p.sessions, p.queued))
         print(f"{p.peer:<54} {str(p.span):<10} {p.state:<8} {p.throughput:>9.1f} {p.cache_tokens_left:>11} "
-              f"{latency:>9}  {p.version}")
+              f"{sessions:>8} {queued:>6} {latency:>9}  {p.version}")
     print("uncovered blocks: " + (", ".join(map(str, uncovered)) if uncovered else "none"))
     return 0

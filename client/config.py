@@ -3,9 +3,11 @@ the commands read these to build their options."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from swarm.config import check_dtype, check_port, check_positive, option
+from swarm.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,19 @@ class ClientConfig:
     slow_steps: int = option(3, help="... for this many decode steps in a row; it is then avoided for the session")
     chain: bool = option(True, help="peers pass each step's activations straight to the next peer of the route "
                          "(--no-chain: the client relays every hop itself)")
+    wait_for_blocks: float = option(30.0, metavar="SECONDS", help="seconds a running generation waits, when some "
+                                    "of its blocks lose their last peer, for them to be served again before it fails "
+                                    "(0: fail at once)")
+    route_seed: int | None = option(None, help="seed of the random order in which sessions break ties between "
+                                    "equally good peers (default: a random seed)")
 
     def __post_init__(self) -> None:
         positive = ("refresh_interval", "ping_timeout", "open_timeout", "step_timeout", "min_deadline",
                     "deadline_factor", "ban_seconds", "slow_factor", "max_retries", "slow_steps")
         check_positive(self, positive)
         check_dtype(self.dtype)
+        if not (math.isfinite(self.wait_for_blocks) and self.wait_for_blocks >= 0):
+            raise ConfigError(f"--wait-for-blocks must be 0 or a number of seconds, not {self.wait_for_blocks}")
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ class SwarmConnection:
 
     @property
     def longest_wait(self) -> float:
-        """An outer bound for any one call: every step retried to the limit at the longest deadline."""
-        return self.config.step_timeout * (self.config.max_retries + 2) + 60
+        """An outer bound for any one call: every step retried to the limit at the longest deadline, each
+        retry after the longest wait for blocks."""
+        return (self.config.step_timeout + self.config.wait_for_blocks) * (self.config.max_retries + 2) + 60
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return self._loop.run(coro, self.longest_wait if timeout is None else timeout)

@@ -151,6 +151,12 @@ class Generation:
         self.failovers: list[Failover] = []
         self.first_token_s: float | None = None
         self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
+        self.session: InferenceSession | None = None
+
+    @property
+    def waiting(self) -> str | None:
+        """While a step waits for blocks to be served again, what it waits for; else None."""
+        return None if self.session is None else self.session.waiting
 
     @property
     def prompt_tokens(self) -> int:
@@ -168,7 +174,7 @@ class Generation:
         started = time.perf_counter()
         sampler = Sampler(s, self.head.vocab_size)
         ids = torch.tensor([self.prompt] * s.n, dtype=torch.int64)
-        session = InferenceSession(self.client, len(self.prompt) + s.max_tokens)
+        session = self.session = InferenceSession(self.client, len(self.prompt) + s.max_tokens)
         try:
             hidden = await self._in_pool(self.head.embed, ids)
             for produced in range(s.max_tokens):

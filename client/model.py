@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +36,11 @@ from swarm.records import default_model_id
 logger = logging.getLogger(__name__)
 
 
+def notice_to_stderr(message: str) -> None:
+    """The SDK's default `on_wait`: one line on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
 class RemoteSession:
     """A token-level inference session (sync): `with model.inference_session(max_length=64) as s:`.
 
@@ -43,7 +50,7 @@ class RemoteSession:
 
     def __init__(self, model: DistributedModelForCausalLM, max_length: int):
         self.model = model
-        self.session = InferenceSession(model.connection.client, max_length)
+        self.session = InferenceSession(model.connection.client, max_length, on_wait=model.on_wait)
         self.tokens: torch.Tensor | None = None  # ids processed so far [batch, length]
         self.mask: torch.Tensor | None = None
 
@@ -121,6 +128,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.connection = connection
         self.model_id = model_id
         self.active_session: RemoteSession | None = None
+        # told (on the client's event loop) when a session starts to wait for blocks to be served again
+        self.on_wait: Callable[[str], None] | None = notice_to_stderr
 
     @classmethod
     def from_pretrained(cls, model: str | Path, initial_peers=(), *, model_id: str | None = None,

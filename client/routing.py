@@ -1,30 +1,49 @@
 """Choosing a route: the cheapest chain of peers that covers a span of blocks. Pure: no network.
 
 A route is a list of hops `(peer, span)` whose spans are consecutive and cover the requested span.
-Its cost is the sum over hops of the peer's network delay plus, for each block of the hop, the peer's
-compute time per block. Figures the client measured itself win over what peers announce; a peer
-with no measurement of its delay gets a pessimistic default, so a measured peer is preferred at
-equal speed.
+Its cost is the sum over hops of a delay plus, for each block of the hop, the peer's compute time per
+block scaled by its load: `block_ms * (1 + LOAD_WEIGHT * load)`, where load counts the sessions open
+there (the larger of what it announced and what this client holds there itself: the announcement
+includes ours once the peer re-announces) plus the steps it announced waiting for compute. A peer
+batches the decode steps of its sessions, so each extra session slows every step by a share of a step,
+not a whole one. The delay of a hop is the client's delay to its peer; when chaining, a later hop's
+delay is the round trip the previous hop's peer announced to it (`Offer.links`), where it did.
+Figures the client measured itself win over what peers announce; a peer with no measurement of its
+delay gets a pessimistic default, so a measured peer is preferred at equal speed.
 
 Eligible peers are online, not banned, not excluded by the caller (e.g. slow for this session) and,
 when a session needs cache, announce (or were last measured with) room for it. If some block has no
-eligible peer there is no route, and `NoRoute` names the blocks; otherwise Dijkstra over block
-boundaries finds the cheapest chain (ties: fewer hops, then peer id, so choices are reproducible).
+eligible peer there is no route, and `NoRoute` names the blocks; otherwise Dijkstra over (block
+boundary, last peer) finds the cheapest chain (the last peer only matters for peers announcing
+links). Ties: fewer hops, then peer id, so choices are reproducible; with an `rng`, a random order of
+the peers instead (seeded per session: equal replicas share the load, reproducibly).
+
+Also pure and here: `BlockWait`, how long a session goes on asking for a route while blocks have no
+live peer, and the check a session makes once, after its first decode steps, of whether its route is
+much slower than assumed (`slower_than_assumed`, `worth_switching`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from swarm.errors import NoRoute
+from swarm.records import LINK_ID_CHARS
 from swarm.span import Span
 
 UNMEASURED_DELAY_MS = 50.0  # network delay assumed for a peer never measured
 UNKNOWN_BLOCK_MS = 100.0  # compute per block assumed for a peer that announced no throughput
+LOAD_WEIGHT = 0.5  # each session (or queued step) at a peer slows its steps by this share of a step
+NO_LOAD: Mapping[str, int] = MappingProxyType({})
+REROUTE_AFTER = 4  # one-token steps of a session before its route is checked against what it measured
+REROUTE_SLOWER = 2.0  # ... a hop measured this many times slower per block than assumed makes it look again,
+REROUTE_GAIN = 0.3  # ... and it switches if the new route costs at least this share less
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,10 @@ class Offer:
     span: Span
     throughput: float = 0.0  # span decode tokens/s, self-reported
     cache_tokens_left: int = 0  # self-reported at the last announcement
+    sessions: int | None = None  # sessions open there at the last announcement (None: an older peer)
+    queued: int | None = None  # steps waiting for its compute, likewise
+    # round trips in ms it measured to peers it pushes to, by the last `LINK_ID_CHARS` of their ids
+    links: Mapping[str, float] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,11 @@ class Measurements:
         figures = self.peers.get(peer)
         return None if figures is None else figures.delay_ms.value
 
+    def measured_block_ms(self, peer: str) -> float | None:
+        """Compute per block from the peer's own decode steps; None before the first."""
+        figures = self.peers.get(peer)
+        return None if figures is None else figures.block_ms.value
+
     def block_ms(self, offer: Offer) -> float:
         figures = self.peers.get(offer.peer)
         if figures is not None and figures.block_ms.value is not None:
@@ -157,49 +185,154 @@ def eligible(offers: Iterable[Offer], measurements: Measurements, bans: Bans, ex
             and (cache_tokens <= 0 or measurements.cache_left(o) >= cache_tokens)]
 
 
+def load_of(offer: Offer, own: Mapping[str, int]) -> int:
+    """Sessions and steps competing for the peer's compute (see the module docstring)."""
+    return max(offer.sessions or 0, own.get(offer.peer, 0)) + (offer.queued or 0)
+
+
+def block_cost_ms(offer: Offer, measurements: Measurements, own: Mapping[str, int] = NO_LOAD) -> float:
+    """What one decode token through one block of this peer costs now, its load included."""
+    return measurements.block_ms(offer) * (1 + LOAD_WEIGHT * load_of(offer, own))
+
+
+def link_ms(before: Offer | None, peer: str) -> float | None:
+    """The round trip `before`'s peer announced to `peer`, if it did."""
+    if before is None or not before.links:
+        return None
+    ms = before.links.get(peer[-LINK_ID_CHARS:])
+    return ms if isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0 else None
+
+
+def hop_cost_ms(offer: Offer, blocks: int, measurements: Measurements, own: Mapping[str, int] = NO_LOAD,
+                before: Offer | None = None, chain: bool = False) -> float:
+    """A hop's cost: its delay (from the client, or from the previous hop's peer when chaining and that peer
+    announced a link to this one) plus its blocks' compute under load."""
+    delay = link_ms(before, offer.peer) if chain else None
+    if delay is None:
+        delay = measurements.delay_ms(offer.peer)
+    return (UNMEASURED_DELAY_MS if delay is None else delay) + blocks * block_cost_ms(offer, measurements, own)
+
+
+def route_cost_ms(hops: Sequence[Hop], offers: Mapping[str, Offer], measurements: Measurements,
+                  own: Mapping[str, int] = NO_LOAD, chain: bool = False) -> float:
+    """The cost `find_route` gives a route: the sum of its hops' costs."""
+    total, before = 0.0, None
+    for hop in hops:
+        offer = offers.get(hop.peer) or Offer(hop.peer, hop.span)
+        total += hop_cost_ms(offer, len(hop.span), measurements, own, before, chain)
+        before = offer
+    return total
+
+
 def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, bans: Bans, *,
-               exclude: Iterable[str] = (), cache_tokens: int = 0, model: str = "the model") -> list[Hop]:
-    """The cheapest chain of hops covering `span` (see the module docstring); `NoRoute` if none."""
-    offers, exclude = list(offers), set(exclude)
+               exclude: Iterable[str] = (), cache_tokens: int = 0, model: str = "the model",
+               load: Mapping[str, int] | None = None, chain: bool = False,
+               rng: random.Random | None = None) -> list[Hop]:
+    """The cheapest chain of hops covering `span` (see the module docstring); `NoRoute` if none.
+
+    `load`: sessions this client holds at each peer. `chain`: price later hops by the links peers
+    announced. `rng`: break ties by a random order of peers drawn from it (default: by peer id)."""
+    offers, exclude, own = list(offers), set(exclude), load or NO_LOAD
     usable = eligible(offers, measurements, bans, exclude, cache_tokens)
     missing = [b for b in span if not any(o.span.start <= b < o.span.end for o in usable)]
     if missing:
         raise NoRoute(_missing_message(missing, offers, measurements, bans, exclude, cache_tokens, model),
                       tuple(missing))
-    # Dijkstra over boundaries span.start..span.end; state cost = (ms, hops, tie-break key)
-    best: dict[int, tuple[float, int, tuple]] = {span.start: (0.0, 0, ())}
-    came: dict[int, tuple[int, Offer]] = {}
-    queue = [(0.0, 0, (), span.start)]
+    names = sorted({o.peer for o in usable})  # sorted, so that a seeded rng gives the same order every time
+    rank = dict(zip(names, (rng.random() for _ in names))) if rng is not None else {p: p for p in names}
+    by_peer = {o.peer: o for o in usable}
+    priced = []  # per offer: compute per block under load, the client's delay, the state it leads to
+    for offer in usable:
+        delay = measurements.delay_ms(offer.peer)
+        priced.append((offer, block_cost_ms(offer, measurements, own), UNMEASURED_DELAY_MS if delay is None else delay,
+                       offer.peer if chain and offer.links else ""))
+    # Dijkstra over states (boundary, last peer): the last peer is kept only when its links can price the
+    # next hop ('' otherwise), so without links this is Dijkstra over boundaries. Cost: (ms, hops, ranks).
+    start = (span.start, "")
+    best: dict[tuple[int, str], tuple[float, int, tuple]] = {start: (0.0, 0, ())}
+    came: dict[tuple[int, str], tuple[tuple[int, str], Offer]] = {}
+    queue = [(0.0, 0, (), start)]
     while queue:
-        cost, hops, key, here = heapq.heappop(queue)
-        if best.get(here) != (cost, hops, key) or here == span.end:
+        cost, hops, key, state = heapq.heappop(queue)
+        here, last = state
+        if best.get(state) != (cost, hops, key) or here == span.end:
             continue
-        for offer in usable:
+        before = by_peer.get(last) if last else None
+        for offer, per_block, delay, after in priced:
             if not offer.span.start <= here < offer.span.end:
                 continue
-            delay = measurements.delay_ms(offer.peer)
-            hop_ms = UNMEASURED_DELAY_MS if delay is None else delay
-            per_block = measurements.block_ms(offer)
+            linked = None if before is None else link_ms(before, offer.peer)
+            hop_ms = delay if linked is None else linked
+            ranks = key + (rank[offer.peer],)
             for there in range(here + 1, min(offer.span.end, span.end) + 1):
-                entry = (cost + hop_ms + (there - here) * per_block, hops + 1, key + (offer.peer,))
-                if there not in best or entry < best[there]:
-                    best[there], came[there] = entry, (here, offer)
-                    heapq.heappush(queue, (*entry, there))
-    route, here = [], span.end
-    while here != span.start:
-        prev, offer = came[here]
-        route.append(Hop(offer.peer, Span(prev, here)))
-        here = prev
+                entry = (cost + hop_ms + (there - here) * per_block, hops + 1, ranks)
+                target = (there, after)
+                if target not in best or entry < best[target]:
+                    best[target], came[target] = entry, (state, offer)
+                    heapq.heappush(queue, (*entry, target))
+    state = min((s for s in best if s[0] == span.end), key=best.__getitem__)
+    route = []
+    while state != start:
+        prev, offer = came[state]
+        route.append(Hop(offer.peer, Span(prev[0], state[0])))
+        state = prev
     return route[::-1]
+
+
+def ranges_text(blocks: Sequence[int]) -> str:
+    """Blocks as half-open ranges: [3, 4, 5, 8] -> '[3:6), [8:9)'."""
+    blocks = sorted(blocks)
+    if not blocks:
+        return "none"
+    ranges, start = [], blocks[0]
+    for a, b in zip(blocks, blocks[1:] + [None]):
+        if b != a + 1:
+            ranges.append(str(Span(start, a + 1)))
+            start = b
+    return ", ".join(ranges)
+
+
+class BlockWait:
+    """A bounded wait for blocks to be served again: a try about every `interval` seconds (none sooner
+    than `interval` after the previous one began, the last one at the deadline) until `seconds` have
+    passed since it began, and at most `seconds / interval + 1` tries whatever the clock does."""
+
+    def __init__(self, seconds: float, interval: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.interval, self.clock = seconds, interval, clock
+        self.started = self.last = clock()
+        self.tries = 0
+        self.max_tries = math.ceil(seconds / interval) + 1 if seconds > 0 else 0
+
+    @property
+    def waited(self) -> float:
+        return self.clock() - self.started
+
+    def next_delay(self) -> float | None:
+        """Seconds to sleep before the next try; None once the wait is over."""
+        now = self.clock()
+        left = self.started + self.seconds - now
+        if left <= 0 or self.tries >= self.max_tries:
+            return None
+        self.tries += 1
+        delay = min(max(self.last + self.interval - now, 0.0), left)
+        self.last = now + delay
+        return delay
+
+
+def slower_than_assumed(assumed: Sequence[float], measured: Sequence[float | None],
+                        factor: float = REROUTE_SLOWER) -> list[int]:
+    """The hops whose measured compute per block is above `factor` times what their route assumed when it
+    was chosen (hops not measured yet never count)."""
+    return [i for i, (a, m) in enumerate(zip(assumed, measured)) if m is not None and m > factor * a]
+
+
+def worth_switching(current_ms: float, new_ms: float, gain: float = REROUTE_GAIN) -> bool:
+    """Whether a new route is cheaper than the current one by a clear margin (`gain` of its cost)."""
+    return new_ms < (1 - gain) * current_ms
 
 
 def _missing_message(missing: list[int], offers: list[Offer], measurements: Measurements, bans: Bans,
                      exclude: set[str], cache_tokens: int, model: str) -> str:
-    ranges, start = [], missing[0]
-    for a, b in zip(missing, missing[1:] + [None]):
-        if b != a + 1:
-            ranges.append(str(Span(start, a + 1)))
-            start = b
     covering = [o for o in offers if any(o.span.start <= b < o.span.end for b in missing)]
     why = []
     if banned := [o for o in covering if bans.banned(o.peer)]:
@@ -210,4 +343,4 @@ def _missing_message(missing: list[int], offers: list[Offer], measurements: Meas
     if slow := [o for o in covering if o.peer in exclude and not bans.banned(o.peer)]:
         why.append(f"{len(slow)} avoided for this session")
     detail = f"; peers announcing them: {len(covering)}" + (f", of which {', '.join(why)}" if why else "")
-    return f"no live peer serves blocks {', '.join(ranges)} of {model}{detail}"
+    return f"no live peer serves blocks {ranges_text(missing)} of {model}{detail}"

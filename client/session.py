@@ -20,6 +20,17 @@ misses its deadline is handled exactly like a relayed failure (above).
 Deadlines come from the peer's own recent figures (`SwarmClient.deadline`), so a frozen peer costs
 about `min_deadline` plus a few expected step times, not minutes. A peer whose decode steps become
 several times slower than usual for several steps in a row is avoided for the rest of the session.
+
+Waiting for blocks: when a failed hop's blocks have no live peer left, the session waits up to
+`wait_for_blocks` seconds for them to be served again (`SwarmClient.wait_for_route`; `waiting` holds
+the message meanwhile and `on_wait` hears it once), then replays onto the new peers as above. Waiting
+is not a retry: `max_retries` counts failed peers only.
+
+Load and a second look: the hops of a session count toward their peers' load (`SwarmClient.claim`)
+until they are replaced or the session closes, so concurrent sessions spread over replicas. Once,
+after its first `REROUTE_AFTER` decode steps, a session compares what each hop measured with what its
+route assumed; hops much slower are rerouted, exactly as a slow peer is, if that makes the whole route
+clearly cheaper (`reroutes` lists them).
 """
 
 from __future__ import annotations
@@ -28,14 +39,15 @@ import asyncio
 import logging
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from client import peer_client
 from client.peer_client import PeerSession
-from client.routing import Hop
+from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient, retryable
 from swarm.errors import BadRequest, NoRoute, StepTimeout, SwarmError
 from swarm.transport import describe_peer
@@ -107,7 +119,10 @@ class Link:
     detector: SlowDetector = field(default_factory=SlowDetector)
     slow: bool = False
     used_at: float = field(default_factory=time.monotonic)  # last step sent or session opened
+    used_before: float = field(default_factory=time.monotonic)  # used_at before the last step was sent
     reopened: bool = False  # already reopened once on the same peer (its session had expired)
+    assumed_block_ms: float = 0.0  # compute per block (load included) its route assumed when chosen
+    claimed: bool = False  # counted in the client's load at its peer until released
 
 
 @dataclass(frozen=True)
@@ -120,13 +135,23 @@ class Failover:
 
 
 class InferenceSession:
-    """`async with InferenceSession(client, max_length) as s: out = await s.step(hidden)`."""
+    """`async with InferenceSession(client, max_length) as s: out = await s.step(hidden)`.
 
-    def __init__(self, client: SwarmClient, max_length: int):
+    `on_wait(message)`: called (on the event loop) when a step begins to wait for blocks to be served
+    again; `waiting` is that message while the wait lasts, else None."""
+
+    def __init__(self, client: SwarmClient, max_length: int, on_wait: Callable[[str], None] | None = None):
         if max_length < 1:
             raise BadRequest(f"max_length must be positive, got {max_length}")
         self.client, self.max_length = client, max_length
         self.config = client.config
+        self.on_wait = on_wait
+        self.waiting: str | None = None
+        self.waited_at = -float("inf")  # when the last wait for blocks began
+        self.rng = client.session_rng()  # this session's tie-breaking between equal routes
+        self.decode_steps = 0  # one-token steps done
+        self.reconsidered = False  # the route was checked against its first decode steps
+        self.reroutes: list[Failover] = []  # hops moved by that check (not failures)
         self.dtype = getattr(torch, client.config.dtype)
         self.batch: int | None = None
         self.length = 0
@@ -153,6 +178,8 @@ class InferenceSession:
     async def close(self) -> None:
         self.closed = True
         links, self.links = self.links, []
+        for link in links:
+            self._release(link)
         await asyncio.gather(*(self._close_link(link) for link in links), *self._closing)
 
     async def _close_link(self, link: Link) -> None:
@@ -190,8 +217,14 @@ class InferenceSession:
             raise BadRequest(f"{position + tokens} tokens exceed the session's max_length {self.max_length}")
         mask = self._mask_for(attention_mask, position, tokens)
         if not self.links:
-            self.links = [Link(h) for h in await self.client.route(cache_tokens=self.batch * self.max_length)]
+            # nothing is lost yet, so no wait here: the caller (an API answering 503) may do better than wait
+            hops = await self.client.route(cache_tokens=self.batch * self.max_length, rng=self.rng)
+            if self.closed:
+                raise BadRequest("the inference session was closed during a step")
+            self.links = self._adopt(hops)
             logger.debug("route: %s", " -> ".join(str(h) for h in self.route))
+        elif not self.reconsidered and self.decode_steps >= REROUTE_AFTER:
+            self._reconsider()
         for inputs in self.history.values():
             inputs.truncate(position)
         # a rollback is relayed: peers take a pushed step only at the end of what its session has run
@@ -210,6 +243,7 @@ class InferenceSession:
             x, i = out, i + 1
         self.length = position + tokens
         self.mask = mask
+        self.decode_steps += tokens == 1
         return x
 
     def _mask_for(self, attention_mask: torch.Tensor | None, position: int, tokens: int) -> torch.Tensor | None:
@@ -278,27 +312,98 @@ class InferenceSession:
         """Whether a failure is the peer ending a session we left idle, rather than the peer failing."""
         if link.reopened or link.session is None:
             return False
-        idle = time.monotonic() - link.used_at
-        return reason == "unknown_session" or (reason == "connection_lost" and idle > IDLE_REOPEN_S)
+        # idle until the step that failed was sent; a link left idle while the session waited for blocks may
+        # have outlived the peer's idle timeout too
+        long_idle = link.used_at - link.used_before > IDLE_REOPEN_S or link.used_before <= self.waited_at
+        return reason == "unknown_session" or (reason == "connection_lost" and long_idle)
 
-    async def _replace(self, i: int, exclude: set[str]) -> tuple[str, ...]:
-        """Put a new chain in place of link `i` (its sessions open at first use); the new hops, as text."""
+    async def _replace(self, i: int, exclude: set[str], wait: bool = True) -> tuple[str, ...]:
+        """Put a new chain in place of link `i` (its sessions open at first use); the new hops, as text. With
+        `wait`, blocks that have no live peer are waited for (`wait_for_blocks`)."""
         span = self.links[i].hop.span
-        hops = await self.client.route(span, cache_tokens=self.batch * self.max_length, exclude=frozenset(exclude))
+        cache_tokens, avoid = self.batch * self.max_length, frozenset(exclude)
+        if wait:
+            try:
+                hops = await self.client.wait_for_route(span, cache_tokens=cache_tokens, exclude=avoid, rng=self.rng,
+                                                        on_wait=self._waiting_for)
+            finally:
+                self.waiting = None
+        else:
+            hops = await self.client.route(span, cache_tokens=cache_tokens, exclude=avoid, rng=self.rng)
         if self.closed:
             raise BadRequest("the inference session was closed during a step")
-        self.links[i:i + 1] = [Link(h) for h in hops]
+        return self._swap(i, hops)
+
+    def _swap(self, i: int, hops: list[Hop]) -> tuple[str, ...]:
+        """Links for `hops` in place of link `i`, whose span they cover; the new hops, as text."""
+        old = self.links[i]
+        span = old.hop.span
+        self.links[i:i + 1] = self._adopt(hops)
+        self._release(old)
         # inputs at boundaries inside the span are rebuilt by replay, hop by hop
         self.history = {b: h for b, h in self.history.items() if not span.start < b < span.end}
         logger.info("blocks %s now at %s", span, ", ".join(str(h) for h in hops))
         return tuple(str(h) for h in hops)
+
+    def _adopt(self, hops: list[Hop]) -> list[Link]:
+        """Links for a newly chosen route (or part of one), with the compute their route assumed; from now on
+        they count toward their peers' load."""
+        links = [Link(h, assumed_block_ms=self.client.block_cost_ms(h), claimed=True) for h in hops]
+        self.client.claim(hops)
+        return links
+
+    def _release(self, link: Link) -> None:
+        if link.claimed:
+            link.claimed = False
+            self.client.release(link.hop)
+
+    def _waiting_for(self, message: str) -> None:
+        self.waiting, self.waited_at = message, time.monotonic()
+        if self.on_wait is not None:
+            try:
+                self.on_wait(message)
+            except Exception:  # boundary: a caller's notice must not end the generation
+                logger.exception("the on_wait hook failed")
+
+    def _reconsider(self) -> None:
+        """Once per session, after its first decode steps: hops measured much slower per block than their
+        route assumed (a fresh client trusts announced speeds) are rerouted if the route as a whole becomes
+        clearly cheaper. The same replace-and-replay as for a slow peer, so the output stays exact."""
+        self.reconsidered = True
+        measured = [self.client.measurements.measured_block_ms(link.hop.peer) for link in self.links]
+        slow = slower_than_assumed([link.assumed_block_ms for link in self.links], measured)
+        if not slow:
+            return
+        ours = Counter(link.hop.peer for link in self.links)  # weigh both routes without this session's load
+        plan: list[list[Hop]] = []
+        for i, link in enumerate(self.links):
+            hops = [link.hop]
+            if i in slow:
+                try:
+                    hops = self.client.find(link.hop.span, self.batch * self.max_length, frozenset(self.avoid),
+                                            self.rng, discount=ours)
+                except NoRoute:
+                    pass
+            plan.append(hops)
+        current = self.client.route_cost_ms(self.route, discount=ours)
+        new = self.client.route_cost_ms([h for hops in plan for h in hops], discount=ours)
+        if not worth_switching(current, new):
+            return
+        logger.info("route after %d decode steps: %.1f ms per token, %.1f ms by another: rerouting",
+                    self.decode_steps, current, new)
+        for i in reversed(range(len(plan))):  # the last first, so that earlier indices stay valid
+            old = self.links[i]
+            if plan[i] != [old.hop]:
+                new_hops = self._swap(i, plan[i])
+                self._close_in_background(old)
+                self.reroutes.append(Failover(str(old.hop.span), old.hop.peer, "rerouted", new_hops, 0.0))
 
     async def _avoid_slow(self, i: int) -> None:
         link = self.links[i]
         link.slow = False
         self.avoid.add(link.hop.peer)
         try:
-            new_hops = await self._replace(i, exclude=self.avoid)
+            new_hops = await self._replace(i, exclude=self.avoid, wait=False)
         except NoRoute:
             self.avoid.discard(link.hop.peer)  # no alternative: keep the slow peer
             link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
@@ -337,7 +442,7 @@ class InferenceSession:
 
     async def _step(self, link: Link, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
         hop, tokens = link.hop, x.shape[1]
-        link.used_at = time.monotonic()
+        link.used_before, link.used_at = link.used_at, time.monotonic()
         started = time.perf_counter()
         out = await asyncio.wait_for(link.session.step(x, position, mask),
                                      self.client.deadline(hop, x.shape[0] * tokens))
@@ -393,7 +498,7 @@ class InferenceSession:
                  for link in links[1:]]
         now = time.monotonic()
         for link in links:
-            link.used_at = now
+            link.used_before, link.used_at = link.used_at, now
         started = self._chain_began = time.perf_counter()
         try:
             step = await asyncio.wait_for(links[0].session.send(x, position, mask, chain=chain),

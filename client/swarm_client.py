@@ -1,24 +1,29 @@
 """The client's view of one model in the swarm: who serves what, how fast, who failed. Async.
 
 `SwarmClient` reads announcements from the DHT (at most every `refresh_interval`, or sooner after a
-failure), pings the peers it has not measured, keeps the measured figures and the bans, and answers
-`route(span)` with the cheapest chain (`client.routing`). Sessions (`client.session`) and stateless
-forwards use it; neither talks to the DHT itself.
+failure), pings the peers it has not measured, keeps the measured figures, the bans and the hops its
+own sessions hold at each peer (their load), and answers `route(span)` with the cheapest chain
+(`client.routing`); `wait_for_route` also waits, bounded, for blocks with no live peer to be served
+again. Sessions (`client.session`) and stateless forwards use it; neither talks to the DHT itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from client import peer_client
 from client.config import ClientConfig
-from client.routing import Bans, Hop, Measurements, Offer, find_route
-from swarm import discovery
+from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, find_route, ranges_text,
+                            route_cost_ms)
+from swarm import discovery, placement
 from swarm.errors import BadRequest, NoRoute, SwarmError
 from swarm.span import Span
 from swarm.transport import Node, describe_peer
@@ -47,6 +52,10 @@ class PeerState:
     cache_tokens_left: int
     version: str
     latency_ms: float | None
+    sessions: int | None = None  # announced load (None: a peer that does not announce it)
+    queued: int | None = None
+    since: float | None = None
+    links: dict | None = None
 
 
 class SwarmClient:
@@ -56,6 +65,8 @@ class SwarmClient:
         self.bans = Bans(base=config.ban_seconds)
         self.offers: dict[str, Offer] = {}
         self.states: dict[str, PeerState] = {}
+        self.own_load: Counter[str] = Counter()  # hops of this client's sessions at each peer
+        self._sessions_made = 0
         self._refreshed = -float("inf")
         self._lock = asyncio.Lock()
 
@@ -77,10 +88,11 @@ class SwarmClient:
                 for ann in block_anns:
                     if ann.peer not in latest or ann.seq > latest[ann.peer].seq:
                         latest[ann.peer] = ann
-            self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left) for p, a in latest.items()
-                           if a.state == "online" and a.span.end <= self.num_blocks}
-            self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None)
-                           for p, a in latest.items()}
+            # a moving peer has its old span online while the new one loads: route by its newest online span
+            self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links)
+                           for p, a in placement.online(anns).items() if a.span.end <= self.num_blocks}
+            self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
+                                        a.sessions, a.queued, a.since, a.links) for p, a in latest.items()}
             self._refreshed = time.monotonic()
             unmeasured = [p for p in self.offers if self.measurements.delay_ms(p) is None and not self.bans.banned(p)]
             await self.ping_all(unmeasured[:MAX_PINGS])
@@ -102,13 +114,42 @@ class SwarmClient:
         return list(await asyncio.gather(*(self.ping(p) for p in peers)))
 
     def ban(self, peer: str, reason: str) -> None:
+        again = self.bans.banned(peer)  # e.g. a second-chance ping failing each second of a wait: said once
         seconds = self.bans.ban(peer, reason)
-        logger.info("peer %s failed (%s): avoided for %.0f s", describe_peer(peer), reason, seconds)
+        logger.log(logging.DEBUG if again else logging.INFO, "peer %s failed (%s): avoided for %.0f s",
+                   describe_peer(peer), reason, seconds)
+
+    # ---- load: the hops our own sessions hold ----
+
+    def claim(self, hops: Iterable[Hop]) -> None:
+        """A session now uses these hops: they count toward their peers' load in later routes."""
+        self.own_load.update(h.peer for h in hops)
+
+    def release(self, hop: Hop) -> None:
+        self.own_load.subtract((hop.peer,))
+        if self.own_load[hop.peer] <= 0:
+            del self.own_load[hop.peer]
+
+    def session_rng(self) -> random.Random:
+        """A new session's tie-breaking: from `route_seed` and the session's number if seeded, else random."""
+        self._sessions_made += 1
+        seed = self.config.route_seed
+        return random.Random() if seed is None else random.Random(f"{seed}/{self._sessions_made}")
+
+    def block_cost_ms(self, hop: Hop, discount: Counter[str] | None = None) -> float:
+        """What a decode token through one block of the hop's peer costs now, its load included."""
+        return block_cost_ms(self.offer(hop.peer), self.measurements, self._load(discount))
+
+    def route_cost_ms(self, hops: list[Hop], discount: Counter[str] | None = None) -> float:
+        return route_cost_ms(hops, self.offers, self.measurements, self._load(discount), self.config.chain)
+
+    def _load(self, discount: Counter[str] | None) -> Counter[str]:
+        return self.own_load - discount if discount else self.own_load
 
     # ---- routes ----
 
     async def route(self, span: Span | None = None, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
-                    ) -> list[Hop]:
+                    rng: random.Random | None = None) -> list[Hop]:
         """The cheapest chain covering `span` (default: every block), refreshing the view if it has none.
 
         If no chain exists, the view is re-read once; then peers banned for timing out or for a lost
@@ -119,11 +160,11 @@ class SwarmClient:
         span = span or self.span
         await self.refresh()
         try:
-            return self._find(span, cache_tokens, exclude)
+            return self.find(span, cache_tokens, exclude, rng)
         except NoRoute:
             await self.refresh(force=True)
         try:
-            return self._find(span, cache_tokens, exclude)
+            return self.find(span, cache_tokens, exclude, rng)
         except NoRoute:
             timed_out = [p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
                          and self.bans.reasons.get(p) in SECOND_CHANCE and o.span.start < span.end
@@ -133,11 +174,46 @@ class SwarmClient:
             for peer, rtt in zip(timed_out, await self.ping_all(timed_out)):
                 if rtt is not None:
                     self.bans.lift(peer)
-            return self._find(span, cache_tokens, exclude)
+            return self.find(span, cache_tokens, exclude, rng)
 
-    def _find(self, span: Span, cache_tokens: int, exclude: frozenset[str]) -> list[Hop]:
+    async def wait_for_route(self, span: Span, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
+                             rng: random.Random | None = None, on_wait: Callable[[str], None] | None = None,
+                             clock: Callable[[], float] = time.monotonic,
+                             sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> list[Hop]:
+        """`route`, but while some blocks have no live peer, ask again about once a second (each time
+        re-reading the view and giving banned peers their second chance), for up to `wait_for_blocks`
+        seconds; `on_wait(message)` is called once when the wait begins. Then `NoRoute`, saying how long
+        it waited."""
+        try:
+            return await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng)
+        except NoRoute as e:
+            if self.config.wait_for_blocks <= 0:
+                raise
+            last = e
+        wait = BlockWait(self.config.wait_for_blocks, clock=clock)
+        message = (f"waiting up to {self.config.wait_for_blocks:g} s for blocks {ranges_text(last.missing)} of "
+                   f"{self.model_id} to be served again...")
+        logger.info("%s", message)
+        if on_wait is not None:
+            on_wait(message)
+        while (delay := wait.next_delay()) is not None:
+            await sleep(delay)
+            try:
+                hops = await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng)
+            except NoRoute as e:
+                last = e
+                continue
+            logger.info("blocks %s of %s are served again, after %.1f s", span, self.model_id, wait.waited)
+            return hops
+        raise NoRoute(f"{last}; waited {round(wait.waited, 1):g} s for them to be served again", last.missing) from None
+
+    def find(self, span: Span, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
+             rng: random.Random | None = None, discount: Counter[str] | None = None) -> list[Hop]:
+        """The cheapest chain in the current view, without reading the DHT. `discount`: hops of our own not to
+        count as load (a session weighing its own route against another)."""
         return find_route(self.offers.values(), span, self.measurements, self.bans, exclude=exclude,
-                          cache_tokens=cache_tokens, model=self.model_id)
+                          cache_tokens=cache_tokens, model=self.model_id, load=self._load(discount),
+                          chain=self.config.chain, rng=rng)
 
     def offer(self, peer: str) -> Offer:
         return self.offers.get(peer) or Offer(peer, self.span)

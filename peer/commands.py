@@ -19,6 +19,14 @@ def register_peer(sub: argparse._SubParsersAction) -> None:
 
         return serve
 
-    add_service_command(sub, "peer", PeerConfig, load_serve, help="serve blocks of a model to the swarm",
+    def finish(config: PeerConfig, args) -> PeerConfig:
+        import dataclasses
+        from pathlib import Path
+
+        if config.capacity_cache is None:  # measured once per machine, model and dtype
+            config = dataclasses.replace(config, capacity_cache=Path(args.cache_home) / "capacity.json")
+        return config
+
+    add_service_command(sub, "peer", PeerConfig, load_serve, finish=finish, help="serve blocks of a model to the swarm",
                         description="Load a span of a model's blocks, announce them (signed) in the swarm's DHT "
                         "and serve inference sessions until stopped with Ctrl-C or SIGTERM.")

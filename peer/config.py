@@ -53,6 +53,16 @@ class PeerConfig:
                         "(--no-push: the client relays it)")
     announce_interval: float = option(20.0, help="seconds between re-announcements")
     record_ttl: float = option(60.0, help="seconds an announcement stays valid without re-announcement")
+    rebalance: bool = option(True, help="move to other blocks when that raises the swarm's throughput clearly, or "
+                             "when blocks have no peer (--no-rebalance: keep the first span; --blocks never moves)")
+    rebalance_interval: float = option(60.0, help="seconds between re-evaluations of the served span (jittered by "
+                                       "25%%)")
+    check_interval: float = option(3.0, help="seconds between reads of the swarm looking for blocks that no peer "
+                                   "serves (a hole is filled at once)")
+    drain_timeout: float = option(120.0, help="seconds a moving peer keeps serving the sessions open on its old "
+                                  "span; then they are closed and their clients fail over")
+    capacity_cache: Path | None = option(None, help="JSON file caching this machine's measured block cost per model, "
+                                         "device and dtype (default: capacity.json in the cache home)")
     metrics_port: int | None = option(None, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: "
                                       "any free port; default: off)")
     metrics_host: str = option("127.0.0.1", help="address the metrics listen on (0.0.0.0 to let another machine "
@@ -60,7 +70,8 @@ class PeerConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
-                    "idle_timeout", "max_queue", "announce_interval", "record_ttl")
+                    "idle_timeout", "max_queue", "announce_interval", "record_ttl", "rebalance_interval",
+                    "check_interval", "drain_timeout")
         optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget")
                     if getattr(self, n) is not None and getattr(self, n) < 1]
         check_positive(self, positive, tuple(optional))

@@ -150,5 +150,9 @@ class Pusher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def targets(self) -> list[str]:
+        """The peers this one has a push stream to, most recently used first."""
+        return sorted(self._streams, key=lambda p: -self._used.get(p, 0.0))
+
     def stats(self) -> dict[str, int]:
         return {"sent": self.sent, "failed": self.failed, "streams": len(self._streams)}

@@ -1,8 +1,16 @@
-"""A peer's life: join the swarm, choose and load its blocks, announce, serve, leave cleanly.
+"""A peer's life: join the swarm, measure what a block costs here, choose and load its blocks, announce,
+serve, move when the swarm needs it, leave cleanly.
 
     joining  -> announced before the weights load, so a peer started right after sees the blocks taken
-    online   -> serving sessions, re-announced every `announce_interval` with its cache left
+    online   -> serving sessions, re-announced every `announce_interval` with its speed, load and cache left
     offline  -> announced on a clean stop, then the records expire
+
+Placement is `swarm.placement`'s (how many blocks and where, by measured speed and memory); this module
+only carries it out. A move (docs/operations.md): claim the new span as `joining` (keeping the old one
+online), wait `CLAIM_SETTLE_S` and defer to an earlier claim, load the new span, announce it online and
+the rest of the old one offline, then drain the old span's sessions (they finish, or are closed at
+`--drain-timeout` and fail over exactly). When both spans do not fit in memory, the old one goes offline
+first. A peer with `--blocks` or `--no-rebalance` never moves.
 """
 
 from __future__ import annotations
@@ -10,21 +18,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import statistics
+import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from peer.announcer import Announcer
+from peer.announcer import Announcer, Figures
+from peer.balancer import Links, SwarmView, jittered
+from peer.capacity import BlockCost, Capacity, CapacityCache, measure_block
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.push import Pusher
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
-from swarm import __version__, discovery, selection, wire
+from swarm import __version__, placement, selection, wire
 from swarm.blocks import SpanBlocks
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.identity import Identity, load_or_create
@@ -33,6 +42,8 @@ from swarm.span import Span
 from swarm.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
+
+CLAIM_SETTLE_S = 1.0  # after claiming a span: time for other claims to show before deciding to go on
 
 
 @dataclass(frozen=True)
@@ -52,40 +63,44 @@ def available_memory() -> int:
     return 4 * 2**30
 
 
-async def choose_blocks(node: Node, ckpt: Checkpoint, model_id: str, config: PeerConfig) -> Span:
-    """The span to serve: --blocks, else as many blocks as fit, where the swarm is weakest."""
-    if config.blocks is not None:
-        config.blocks.check_within(ckpt.num_blocks)
-        return config.blocks
-    dtype = parse_dtype(config.dtype)
+def memory_blocks(ckpt: Checkpoint, config: PeerConfig) -> int:
+    """How many blocks this peer may hold: --num-blocks, else what fits in its memory budget."""
     if config.num_blocks is not None:
-        n = max(1, min(config.num_blocks, ckpt.num_blocks))
-    else:
-        budget = config.memory_budget or int(0.8 * available_memory())
-        block_bytes = max(ckpt.block_bytes(b, dtype) for b in range(ckpt.num_blocks))
-        n = selection.blocks_for_budget(budget, block_bytes, config.cache_tokens * ckpt.cache_bytes_per_token(dtype),
-                                        ckpt.num_blocks)
-    anns = await discovery.announcements(node, model_id, ckpt.num_blocks)
-    counts = selection.coverage(ckpt.num_blocks, anns, exclude=node.peer_id)
-    span = selection.choose_span(counts, n)
-    logger.info("chose blocks %s of %d (swarm coverage per block: %s)", span, ckpt.num_blocks, counts)
-    return span
+        return max(1, min(config.num_blocks, ckpt.num_blocks))
+    dtype = parse_dtype(config.dtype)
+    budget = config.memory_budget or int(0.8 * available_memory())
+    block_bytes = max(ckpt.block_bytes(b, dtype) for b in range(ckpt.num_blocks))
+    return selection.blocks_for_budget(budget, block_bytes, config.cache_tokens * ckpt.cache_bytes_per_token(dtype),
+                                       ckpt.num_blocks)
 
 
-def measure(blocks: SpanBlocks, dtype: torch.dtype) -> tuple[float, float]:
-    """Self-reported speed: batch-1 decode tokens/s and prefill tokens/s of the whole span."""
-    cache = blocks.new_cache(1, 64)
-    x = torch.randn(1, 1, blocks.hidden_size, dtype=dtype)
-    times = []
-    for pos in range(8):
-        started = time.perf_counter()
-        blocks(x, cache, pos)
-        times.append(time.perf_counter() - started)
-    decode = 1.0 / max(statistics.median(times[3:]), 1e-6)  # the first calls pay one-time setup
-    started = time.perf_counter()
-    blocks(torch.randn(1, 32, blocks.hidden_size, dtype=dtype))
-    prefill = 32 / max(time.perf_counter() - started, 1e-6)
-    return round(decode, 2), round(prefill, 2)
+def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig) -> BlockCost:
+    """What one block costs on this machine: cached per (model, device, dtype), else measured on block 0."""
+    cache = CapacityCache(config.capacity_cache)
+    key = cache.key(model_id, "cpu", config.dtype)
+    cost = cache.get(key, time.time())
+    if cost is not None:
+        logger.info("block cost from %s: %.2f ms per decode step per block", config.capacity_cache, cost.decode_ms)
+        return cost
+    logger.info("measuring what a block of %s costs on this machine (%s)", model_id, config.dtype)
+    block = SpanBlocks(ckpt, Span(0, 1), parse_dtype(config.dtype))
+    cost = measure_block(block)
+    cache.put(key, cost)
+    logger.info("measured the block cost: %.2f ms per decode step per block, %.3f ms per prefill token",
+                cost.decode_ms, cost.prefill_ms)
+    return cost
+
+
+def first_span(config: PeerConfig, served: list[placement.Server], peer: str, speed: float, memory: int,
+               num_blocks: int) -> placement.Score:
+    """The span to start with: --blocks, else the placement's choice (--num-blocks fixes the length)."""
+    if config.blocks is not None:
+        config.blocks.check_within(num_blocks)
+        return placement.score([0.0] * num_blocks, config.blocks, speed)
+    if config.num_blocks is not None:
+        others = [s for s in served if s.peer != peer]
+        return placement.best_span(placement.capacities(num_blocks, others), speed, memory, min_blocks=memory)
+    return placement.plan(served, peer, speed, memory, num_blocks)
 
 
 @contextlib.asynccontextmanager
@@ -111,51 +126,199 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     ckpt = await loop.run_in_executor(None, Checkpoint, config.model)
     model_id = config.model_id or default_model_id(config.model)
     check_model_id(model_id)
-    dtype = parse_dtype(config.dtype)
     metrics = PeerMetrics()
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
                     initial_peers=config.initial_peers) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
-        name = describe_peer(node.peer_id)
-        span = await choose_blocks(node, ckpt, model_id, config)
-        announcer = Announcer(node, identity, model_id, span, ckpt.num_blocks, config.record_ttl)
-        await announcer.announce("joining")
-        logger.info("peer %s loading blocks %s of %s", name, span, model_id)
-        blocks = await loop.run_in_executor(None, SpanBlocks, ckpt, span, dtype)
-        throughput, prefill_tps = await loop.run_in_executor(None, measure, blocks, dtype)
+        peer = Peer(config, node, identity, ckpt, model_id, metrics)
+        await peer.run(stop, on_ready)
+
+
+class Peer:
+    """One peer's life on a running node: measure, choose, load, serve, rebalance, leave."""
+
+    def __init__(self, config: PeerConfig, node: Node, identity: Identity, ckpt: Checkpoint, model_id: str,
+                 metrics: PeerMetrics):
+        self.config, self.node, self.identity, self.ckpt, self.model_id = config, node, identity, ckpt, model_id
+        self.metrics, self.name = metrics, describe_peer(node.peer_id)
+        self.dtype = parse_dtype(config.dtype)
+        self.memory = memory_blocks(ckpt, config)
+        self.view = SwarmView(node, model_id, ckpt.num_blocks)
+        self.links = Links(node)
+        self.movable = config.blocks is None and config.rebalance
+        self.rng = random.Random()
+        self.servicer: Servicer | None = None
+        self.announcer: Announcer | None = None
+        self.draining: tuple[SpanBlocks, Span, float] | None = None  # old blocks, their span, drain deadline
+
+    @property
+    def span(self) -> Span:
+        return self.servicer.served.span if self.servicer is not None else self.announcer.span
+
+    def figures(self) -> Figures:
+        n = len(self.announcer.span)  # the span announced: the claimed one while moving
+        servicer = self.servicer
+        return Figures(self.capacity.throughput(n), self.capacity.prefill_tps(n),
+                       servicer.sessions.tokens_left if servicer else 0,
+                       len(servicer.sessions.sessions) if servicer else 0,
+                       servicer.runtime.queued if servicer else 0, self.links.announced(), self.memory)
+
+    async def announce(self, state: str, **kw) -> None:
+        if self.servicer is not None:
+            self.servicer.served.throughput = self.capacity.throughput(len(self.span))
+        await self.announcer.announce(state, self.figures(), **kw)
+
+    async def run(self, stop: asyncio.Event, on_ready: Callable[[PeerReady], None] | None) -> None:
+        loop = asyncio.get_running_loop()
+        config, ckpt = self.config, self.ckpt
+        cost = await loop.run_in_executor(None, block_cost, ckpt, self.model_id, config)
+        self.capacity = Capacity(cost)
+        served = await self.view.read()
+        choice = first_span(config, served, self.node.peer_id, self.capacity.speed, self.memory, ckpt.num_blocks)
+        span = choice.span
+        logger.info("peer %s chose blocks %s of %d (room for %d, %.1f tokens/s per block; swarm bottleneck %.2f "
+                    "tokens/s with it)", self.name, span, ckpt.num_blocks, self.memory, self.capacity.speed,
+                    choice.bottleneck)
+        self.announcer = Announcer(self.node, self.identity, self.model_id, span, ckpt.num_blocks, config.record_ttl)
+        await self.announce("joining")
+        logger.info("peer %s loading blocks %s of %s", self.name, span, self.model_id)
+        blocks = await loop.run_in_executor(None, SpanBlocks, ckpt, span, self.dtype)
         sessions = SessionTable(config.cache_tokens, config.max_sessions)
-        served = Served(node.peer_id, model_id, span, __version__, throughput, prefill_tps)
+        served_info = Served(self.node.peer_id, self.model_id, span, __version__, self.capacity.throughput(len(span)),
+                             self.capacity.prefill_tps(len(span)))
         with Runtime(config.max_queue) as runtime:
-            servicer = Servicer(config, served, blocks, runtime, sessions, metrics)
-            servicer.pusher = Pusher(node) if config.push else None
-            metrics.watch(servicer.info)
-            await node.serve(wire.SESSION_PROTOCOL, servicer.serve_session)
-            await node.serve(wire.PUSH_PROTOCOL, servicer.serve_push)
-            await node.serve(wire.FORWARD_PROTOCOL, servicer.serve_forward)
-            await node.serve(wire.INFO_PROTOCOL, servicer.serve_info)
-
-            async def announce(state: str) -> None:
-                await announcer.announce(state, throughput, prefill_tps, sessions.tokens_left)
-
-            await announce("online")
-            maddrs = tuple(await node.maddrs())
-            logger.info("peer %s serving blocks %s of %s (%.1f tokens/s decode) at %s", name, span, model_id,
-                        throughput, maddrs[0] if maddrs else "?")
+            servicer = self.servicer = Servicer(config, served_info, blocks, runtime, sessions, self.metrics)
+            servicer.capacity = self.capacity
+            servicer.pusher = Pusher(self.node) if config.push else None
+            self.metrics.watch(servicer.info)
+            await self.node.serve(wire.SESSION_PROTOCOL, servicer.serve_session)
+            await self.node.serve(wire.PUSH_PROTOCOL, servicer.serve_push)
+            await self.node.serve(wire.FORWARD_PROTOCOL, servicer.serve_forward)
+            await self.node.serve(wire.INFO_PROTOCOL, servicer.serve_info)
+            await self.announce("online")
+            maddrs = tuple(await self.node.maddrs())
+            logger.info("peer %s serving blocks %s of %s (%.1f tokens/s decode) at %s", self.name, span, self.model_id,
+                        servicer.served.throughput, maddrs[0] if maddrs else "?")
             if on_ready is not None:
-                on_ready(PeerReady(node.peer_id, model_id, span, maddrs))
+                on_ready(PeerReady(self.node.peer_id, self.model_id, span, maddrs))
             try:
-                while not stop.is_set():
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(stop.wait(), config.announce_interval)
-                    if not stop.is_set():
-                        try:
-                            await announce("online")
-                        except Exception:  # boundary: a failed re-announcement is retried next interval
-                            logger.warning("peer %s: re-announcement failed", name, exc_info=True)
+                await self.loop(stop)
             finally:
-                logger.info("peer %s leaving: announcing blocks %s offline", name, span)
+                logger.info("peer %s leaving: announcing blocks %s offline", self.name, self.span)
                 with contextlib.suppress(Exception):  # leaving anyway: records expire if this fails
-                    await asyncio.wait_for(asyncio.shield(announce("offline")), 5)
+                    await asyncio.wait_for(asyncio.shield(self.announce("offline")), 5)
                 if servicer.pusher is not None:
                     await servicer.pusher.close()
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        """Re-announce every `announce_interval`; look for holes every `check_interval` and re-evaluate the
+        span on a jittered `rebalance_interval` (at once when a hole shows)."""
+        config = self.config
+        now = time.monotonic()
+        next_announce = now + config.announce_interval
+        next_check = now + min(config.check_interval, config.rebalance_interval)
+        next_rebalance = now + jittered(config.rebalance_interval, self.rng)
+        while not stop.is_set():
+            wake = min(next_announce, next_check if self.movable else math.inf, self._drain_deadline())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, wake - time.monotonic()))
+            if stop.is_set():
+                return
+            now = time.monotonic()
+            try:
+                # boundary for each duty: a failure is logged and retried at its next turn
+                self._drain(now)
+                if now >= next_announce:
+                    next_announce = now + config.announce_interval
+                    if self.servicer.pusher is not None:
+                        await self.links.measure(self.servicer.pusher.targets())
+                    await self.announce("online")
+                if self.movable and now >= next_check:
+                    next_check = now + config.check_interval
+                    served = await self.view.read()
+                    hole = placement.holes(placement.capacities(self.ckpt.num_blocks, served + [self._me()]))
+                    if hole or now >= next_rebalance:
+                        next_rebalance = now + jittered(config.rebalance_interval, self.rng)
+                        await self.rebalance(served)
+            except Exception:  # boundary: see above
+                logger.warning("peer %s: announcing or rebalancing failed", self.name, exc_info=True)
+
+    def _me(self) -> placement.Server:
+        return placement.Server(self.node.peer_id, self.span, self.capacity.throughput(len(self.span)))
+
+    def _decide(self, served: list[placement.Server]) -> placement.Score | None:
+        return placement.decide(served, self.node.peer_id, self.capacity.speed, self.memory, self.ckpt.num_blocks,
+                                self.span, min_blocks=self._min_blocks())
+
+    def _min_blocks(self) -> int:
+        return self.memory if self.config.num_blocks is not None else 1
+
+    async def rebalance(self, served: list[placement.Server]) -> None:
+        """Move if the placement says so: claim the new span (joining), let claims meet, defer to an earlier
+        one, then load the new span, announce it online and drain the old one."""
+        if self.draining is not None:
+            return  # one move at a time
+        decision = self._decide(served)
+        if decision is None:
+            return
+        old_span, old_blocks = self.span, self.servicer.blocks
+        target = decision.span
+        logger.info("peer %s: moving from blocks %s to %s would raise the swarm's bottleneck to %.2f tokens/s "
+                    "(%d blocks unserved after it): claiming them", self.name, old_span, target, decision.bottleneck,
+                    decision.holes)
+        self.announcer.claim(target)
+        await self.announcer.announce("joining", self.figures(), keep=old_span)
+        await asyncio.sleep(CLAIM_SETTLE_S)
+        served = placement.claims_before(await self.view.read(), self.node.peer_id, self.announcer.since)
+        check = self._decide(served)
+        if check is None:
+            logger.info("peer %s defers to an earlier claim: staying on blocks %s", self.name, old_span)
+            self.announcer.claim(old_span)
+            await self.announcer.announce("online", self.figures(), keep=target, keep_state="offline")
+            return
+        if check.span != target:
+            target = check.span
+            self.announcer.claim(target)
+            await self.announcer.announce("joining", self.figures(), keep=old_span)
+        loop = asyncio.get_running_loop()
+        both = len(old_span) + len(target) - len(range(max(old_span.start, target.start),
+                                                        min(old_span.end, target.end)))
+        if both > self.memory:
+            logger.warning("peer %s: blocks %s and %s do not fit in memory at once (room for %d blocks): announcing "
+                           "%s offline first; its sessions fail over", self.name, old_span, target, self.memory,
+                           old_span)
+            self.servicer.moving = True
+            await self.announcer.announce("joining", self.figures(), keep=old_span, keep_state="offline")
+            for session in self.servicer.sessions_on(old_blocks):
+                self.servicer.sessions.close(session.id)
+            self.servicer.blocks = old_blocks = None
+        try:
+            logger.info("peer %s loading blocks %s of %s", self.name, target, self.model_id)
+            blocks = await loop.run_in_executor(None, SpanBlocks, self.ckpt, target, self.dtype)
+        finally:
+            self.servicer.moving = False
+        self.servicer.activate(blocks, target)
+        self.servicer.moves += 1
+        await self.announce("online", keep=old_span, keep_state="offline")
+        if old_blocks is not None:
+            self.draining = (old_blocks, old_span, time.monotonic() + self.config.drain_timeout)
+        logger.info("peer %s moved from blocks %s to %s (%d sessions draining on the old span)", self.name, old_span,
+                    target, len(self.servicer.sessions_on(old_blocks)) if old_blocks is not None else 0)
+
+    def _drain_deadline(self) -> float:
+        return math.inf if self.draining is None else min(self.draining[2], time.monotonic() + 1.0)
+
+    def _drain(self, now: float) -> None:
+        """Drop the old span once its last session closed, or close what is left at the deadline."""
+        if self.draining is None:
+            return
+        blocks, span, deadline = self.draining
+        left = self.servicer.sessions_on(blocks)
+        if left and now < deadline:
+            return
+        for session in left:
+            self.servicer.sessions.close(session.id)  # its client fails over to the peers now serving it
+        logger.info("peer %s stopped serving blocks %s (%d sessions closed at the drain deadline)", self.name, span,
+                    len(left))
+        self.draining = None

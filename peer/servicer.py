@@ -76,10 +76,28 @@ class Servicer:
         self.pusher: Pusher | None = None  # set by the server once its node runs
         self.pushes = {"received": 0, "dropped": 0, "stale": 0, "rejected": 0}
         self._tasks: set[asyncio.Task] = set()  # pushed steps in progress
+        self.capacity = None  # peer.capacity.Capacity, set by the server: follows the real decode steps
+        self.moves = 0  # spans this peer moved to since it started
+        self.moving = False  # loading a new span after dropping the old one: nothing new is accepted
+
+    # ---- the served span ----
+
+    def activate(self, blocks: SpanBlocks, span: Span) -> None:
+        """Serve `blocks` for `span` from now on: new sessions and forwards use them; sessions already open
+        keep running on the blocks they opened with until they close (a moving peer drains its old span)."""
+        self.blocks, self.served.span = blocks, span
+
+    def sessions_on(self, blocks: SpanBlocks | None) -> list[Session]:
+        """Open sessions running on `blocks` (None: on any blocks but the active ones)."""
+        return [s for s in self.sessions.sessions.values()
+                if (s.blocks is blocks if blocks is not None else s.blocks is not self.blocks)]
 
     # ---- shared checks ----
 
     def _check_target(self, fields: dict[str, Any]) -> Span:
+        if self.moving:
+            raise NotServing(f"this peer is moving to blocks {self.served.span} and serves nothing new until they "
+                             "load; try another peer")
         if fields.get("model") != self.served.model_id:
             raise NotServing(f"this peer serves model {self.served.model_id!r}, not {fields.get('model')!r}")
         start = _int(fields, "start", 0, 2**20)
@@ -326,6 +344,7 @@ class Servicer:
             raise BadRequest(f"'dtype' must be one of {WIRE_FLOATS}, got {dtype!r}")
         session = self.sessions.open(span, batch, max_length, dtype, time.monotonic())
         session.cache = self.blocks.new_cache(batch, max_length, span)
+        session.blocks = self.blocks
         self.metrics.opened()
         logger.debug("opened session %s: blocks %s, batch %d, max length %d", session.id, span, batch, max_length)
         return session
@@ -335,22 +354,25 @@ class Servicer:
         position = _int(msg.fields, "position", 0, session.max_length - 1)
         hidden, mask = self._hidden(msg, session.dtype, session.batch)
         # one-token steps may share a forward with other sessions' (`_compute_batch`); longer ones run alone
-        key = (session.span, session.dtype) if hidden.shape[1] == 1 else None
-        out, compute_ms, length = await self.runtime.run(self._compute_step, session, hidden, mask, position,
+        key = (id(session.blocks), session.span, session.dtype) if hidden.shape[1] == 1 else None
+        out, compute_ms, length, shared = await self.runtime.run(self._compute_step, session, hidden, mask, position,
                                                          timeout=self.config.step_timeout,
                                                          batch=(key, self._compute_batch, session.id, hidden.shape[0]))
         session.steps += 1
         self.metrics.stepped(hidden.shape[0] * hidden.shape[1], compute_ms / 1e3)
+        if self.capacity is not None and shared == 1 and hidden.shape[0] == 1 and hidden.shape[1] == 1:
+            self.capacity.observe(compute_ms, len(session.span))  # a batch-1 decode step: the announced speed
         return wire.Message(wire.OUTPUT, {"step": step, "position": position, "length": length,
                                           "compute_ms": round(compute_ms, 3)}, (wire.blob_of(out),))
 
     def _compute_step(self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None,
-                      position: int) -> tuple[torch.Tensor, float, int]:
-        cache = session.cache  # read once: the event loop drops it if the session closes meanwhile
+                      position: int) -> tuple[torch.Tensor, float, int, int]:
+        """(output, compute ms, cache length, sessions that shared the forward: 1)."""
+        cache, blocks = session.cache, session.blocks  # read once: the event loop drops them if it closes
         self._check_compute(session, hidden)
         started = time.perf_counter()
-        out = self.blocks(hidden, cache, position, mask)
-        return out.to(getattr(torch, session.dtype)), (time.perf_counter() - started) * 1e3, cache.length
+        out = blocks(hidden, cache, position, mask)
+        return out.to(getattr(torch, session.dtype)), (time.perf_counter() - started) * 1e3, cache.length, 1
 
     def _check_compute(self, session: Session, hidden: torch.Tensor) -> None:
         if session.closed:
@@ -367,12 +389,14 @@ class Servicer:
         """
         results: list[Any] = [None] * len(items)
         shared: list[tuple[int, Any]] = []  # (item, its cache), read once: a session may close meanwhile
+        blocks = None  # one batch key: the same blocks for every item
         for i, (session, hidden, mask, position) in enumerate(items):
             try:
                 cache = session.cache
+                blocks = session.blocks if session.blocks is not None else blocks
                 self._check_compute(session, hidden)
                 if position == cache.length:
-                    self.blocks.check_step(hidden, cache, position, mask)
+                    blocks.check_step(hidden, cache, position, mask)
                     shared.append((i, cache))
                 else:
                     results[i] = self._compute_step(session, hidden, mask, position)
@@ -387,7 +411,7 @@ class Servicer:
                 continue
             started = time.perf_counter()
             try:
-                outs = self.blocks.decode_batch([(cache, items[i][1], items[i][2]) for i, cache in group])
+                outs = blocks.decode_batch([(cache, items[i][1], items[i][2]) for i, cache in group])
             except Exception as e:  # boundary: every session of a failed forward gets its error; caches untouched
                 for i, _ in group:
                     results[i] = e
@@ -395,7 +419,7 @@ class Servicer:
             compute_ms = (time.perf_counter() - started) * 1e3
             self.metrics.batched(len(group))
             for (i, cache), out in zip(group, outs):
-                results[i] = (out.to(getattr(torch, items[i][0].dtype)), compute_ms, cache.length)
+                results[i] = (out.to(getattr(torch, items[i][0].dtype)), compute_ms, cache.length, len(group))
         return results
 
     # ---- stateless forward ----
@@ -432,6 +456,8 @@ class Servicer:
                 "cache_tokens_left": self.sessions.tokens_left, "max_length": self.config.max_length,
                 "max_batch": self.config.max_batch, "queued": self.runtime.queued,
                 "throughput": self.served.throughput, "prefill_tps": self.served.prefill_tps,
+                "block_ms": None if self.capacity is None else round(self.capacity.decode_ms, 4),
+                "draining": len(self.sessions_on(None)), "moves": self.moves,
                 "errors": dict(self.errors), "wire_bytes": wire.traffic(),
                 "pushes": {**self.pushes, **(self.pusher.stats() if self.pusher is not None else {})}}
 

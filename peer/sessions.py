@@ -29,6 +29,7 @@ class Session:
     reserved: int
     opened_at: float
     cache: object = None  # the SpanCache, created by the owner of the blocks
+    blocks: object = None  # the SpanBlocks it runs on: a moving peer's old sessions keep the old span's
     steps: int = 0
     closed: bool = False
     last_step: int = -1  # step ids only increase: a late duplicate (a push after the client relayed) is dropped

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[str], Any] | None = None,
-           required: bool = False, **kw: Any) -> Any:
-    """A dataclass field carrying its command-line help."""
-    meta = {"help": help, "parse": parse, "required": required}
+           required: bool = False, metavar: str | None = None, **kw: Any) -> Any:
+    """A dataclass field carrying its command-line help (and the placeholder of its value, `metavar`)."""
+    meta = {"help": help, "parse": parse, "required": required, "metavar": metavar}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple for sequence defaults")
     return dataclasses.field(default=default, metadata=meta, **kw)
@@ -68,7 +68,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             base = [a for a in args if a is not type(None)][0] if origin in (typing.Union, types.UnionType) else hint
             kw["type"] = meta["parse"] or base
-        kw["metavar"] = f.name.upper().split("_")[-1] if not meta["required"] else f.name.upper()
+        kw["metavar"] = meta.get("metavar") or (f.name.upper().split("_")[-1] if not meta["required"]
+                                                else f.name.upper())
         parser.add_argument(flag, required=meta["required"], default=None if meta["required"] else f.default, **kw)
 
 

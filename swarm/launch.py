@@ -8,6 +8,7 @@ the swarm's directory and are shown when a wait fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -20,6 +21,13 @@ from pathlib import Path
 from swarm.identity import load_or_create
 
 METRICS_LINE = re.compile(r"peer \S+ metrics at (http://\S+/metrics)")
+SPAN_LINE = re.compile(r"peer \S+ (?:serving blocks|moved from blocks \S+ to) \[(\d+):(\d+)\)")
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+def cpu_quota_supported() -> bool:
+    """Whether this machine lets us cap a process's CPU (cgroup v1 cpu controller, as root)."""
+    return os.geteuid() == 0 and (CGROUP_CPU / "cgroup.procs").exists()
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1, diagnostics=lambda: ""):
     deadline = time.monotonic() + timeout
@@ -42,6 +50,11 @@ class Proc:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def span(self) -> tuple[int, int] | None:
+        """The span this peer serves now, from its log (its last 'serving' or 'moved' line)."""
+        found = SPAN_LINE.findall(self.text())
+        return (int(found[-1][0]), int(found[-1][1])) if found else None
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -69,6 +82,7 @@ class LocalSwarm:
         self.root.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.bootstrap_addrs: list[str] = []
+        self.cgroups: list[Path] = []
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
         log = self.root / f"{name}.log"
@@ -163,6 +177,19 @@ class LocalSwarm:
     def stop_all(self) -> None:
         for name in reversed(list(self.procs)):
             self.stop(name)
+        for group in self.cgroups:
+            with contextlib.suppress(OSError):
+                group.rmdir()  # empty once its process exited
+        self.cgroups.clear()
+
+    def throttle(self, proc: Proc, share: float) -> None:
+        """Cap `proc` at `share` of one CPU core (a cgroup v1 CPU quota; root only): an unequal machine."""
+        group = CGROUP_CPU / f"swarm-{os.getpid()}-{proc.popen.pid}"
+        group.mkdir(exist_ok=True)
+        self.cgroups.append(group)
+        period = int((group / "cpu.cfs_period_us").read_text())
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * share))))
+        (group / "cgroup.procs").write_text(str(proc.popen.pid))
 
     def __enter__(self) -> LocalSwarm:
         return self

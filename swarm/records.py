@@ -32,6 +32,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from swarm.identity import Identity, PeerId, verify as verify_signature
@@ -53,7 +54,11 @@ DIRECTORY_KEYS = tuple(f"_models.{n}" for n in range(DIRECTORY_BUCKETS))
 # The largest schema-valid directory payload (64-character model id, 32-character version, every number
 # at its longest) seals to ~475 bytes; a tight cap makes each bucket hold as many peers as possible.
 MAX_DIRECTORY_VALUE_BYTES = 512
-_OPTIONAL = ("num_blocks",)  # fields older payloads lack; omitted from the payload when None, never null
+# Fields older payloads lack; omitted from the payload when None, never null. Only `num_blocks` may appear
+# in a directory record: older validators refuse any other field they do not know there.
+_OPTIONAL = ("num_blocks", "sessions", "queued", "since", "links", "max_blocks")
+MAX_LINKS = 16  # round trips to next peers in one record at most
+LINK_ID_CHARS = 8  # a next peer is named by the last characters of its id: compact, and enough to match
 
 
 class RecordRejected(ValueError):
@@ -97,11 +102,24 @@ class Announcement:
     seq: int
     issued_at: float
     num_blocks: int | None = None  # blocks of the whole model; required under the directory key
+    # Load and links (optional, block records only): sessions open, steps waiting for compute, when this
+    # peer began to claim this span (the earlier claim wins when two peers go for the same hole), and the
+    # round trips in ms it measured to peers it pushes to, keyed by the last `LINK_ID_CHARS` of their ids.
+    sessions: int | None = None
+    queued: int | None = None
+    since: float | None = None
+    links: dict | None = None
+    max_blocks: int | None = None  # blocks its memory budget holds (placement weighs spans by it)
     extra: dict = field(default_factory=dict, compare=False)  # optional fields of newer versions, kept as-is
 
     @property
     def span(self) -> Span:
         return Span(self.start, self.end)
+
+    def for_directory(self) -> Announcement:
+        """This announcement as the directory holds it: only the fields every version knows there."""
+        return dataclasses.replace(self, sessions=None, queued=None, since=None, links=None,
+                                   max_blocks=None, extra={})
 
     def to_payload(self) -> bytes:
         data = {k: v for k, v in asdict(self).items() if k != "extra" and not (k in _OPTIONAL and v is None)}
@@ -151,6 +169,18 @@ class Announcement:
         if self.num_blocks is not None and not is_int(self.num_blocks, self.end, MAX_BLOCKS):
             raise RecordRejected(f"num_blocks {self.num_blocks!r} must be an integer from the span's end "
                                  f"to {MAX_BLOCKS}")
+        if self.max_blocks is not None and not is_int(self.max_blocks, 1, MAX_BLOCKS):
+            raise RecordRejected(f"max_blocks must be an integer from 1 to {MAX_BLOCKS}")
+        for name in ("sessions", "queued"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name), 0, 2**31):
+                raise RecordRejected(f"{name} must be a non-negative integer")
+        if self.since is not None and not is_num(self.since):
+            raise RecordRejected("since must be a finite non-negative number")
+        if self.links is not None and not (
+                isinstance(self.links, dict) and len(self.links) <= MAX_LINKS
+                and all(isinstance(k, str) and len(k) == LINK_ID_CHARS and is_num(v) for k, v in self.links.items())):
+            raise RecordRejected(f"links must map at most {MAX_LINKS} peer-id suffixes of {LINK_ID_CHARS} characters "
+                                 "to round trips in ms")
 
 
 def signed_message(key_id: bytes, subkey: str, expiration: float, payload: bytes) -> bytes:
@@ -204,7 +234,7 @@ def verify(key_id: bytes, subkey: object, value: bytes, expiration: float, now: 
     if key_id == key_id_of(directory_key(subkey)):
         if ann.num_blocks is None:
             raise RecordRejected("a directory record must carry num_blocks")
-        if ann.extra or len(value) > MAX_DIRECTORY_VALUE_BYTES:
+        if ann.extra or ann != ann.for_directory() or len(value) > MAX_DIRECTORY_VALUE_BYTES:
             raise RecordRejected(f"a directory record carries no unknown fields and fits in "
                                  f"{MAX_DIRECTORY_VALUE_BYTES} bytes")
     elif key_id not in {key_id_of(block_key(ann.model, b)) for b in range(ann.start, ann.end)}:

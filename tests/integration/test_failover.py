@@ -7,6 +7,7 @@ equal transformers' local `generate`, and the stall between two tokens must stay
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -154,9 +155,16 @@ def test_killed_peer_is_replaced_exactly(replicated, remote, expected):
 
 
 def test_losing_the_last_replica_is_a_clear_error(replicated, remote):
+    """With no wait for the blocks to come back (`--wait-for-blocks 0`; test_client_wait.py covers the
+    wait), the generation fails at once, naming them."""
+    client = remote.connection.client
+    waiting, client.config = client.config, dataclasses.replace(client.config, wait_for_blocks=0)
     fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL))
-    with pytest.raises(NoRoute, match=r"blocks \[3:6\)") as info:
-        generate(remote, fault)
+    try:
+        with pytest.raises(NoRoute, match=r"blocks \[3:6\)") as info:
+            generate(remote, fault)
+    finally:
+        client.config = waiting
     assert time.monotonic() - fault.times[-1] < 5.0
     assert info.value.missing == (3, 4, 5)
     assert fault.session.position == fault.session.session.length  # a failed step leaves no trace

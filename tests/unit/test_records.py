@@ -463,3 +463,45 @@ def test_guard_prunes_expired_entries_first():
     assert len(guard) == 2
     with pytest.raises(RecordRejected):
         guard.admit(KEY0, "long", 4, b"a", later + 10, later)
+
+
+# ---- load, claims and links: optional fields of block records ----
+
+LOADED = dict(sessions=3, queued=1, since=NOW - 5, links={"AbCdEfGh": 1.5, "12345678": 20.0}, max_blocks=12)
+
+
+def test_load_and_links_round_trip_in_block_records():
+    ann = announcement(**LOADED)
+    got = check(seal(HONEST, ann, KEY0, NOW + 60))
+    assert got == ann and got.links == LOADED["links"] and got.max_blocks == 12 and not got.extra
+
+
+def test_a_record_without_the_new_fields_still_verifies_and_leaves_them_out():
+    payload = json.loads(announcement().to_payload())
+    assert not set(LOADED) & set(payload)  # an older peer's record: the fields are absent, never null
+    assert check(HONEST_VALUE).sessions is None
+
+
+def test_an_older_reader_keeps_the_new_fields_as_extras():
+    """What a peer of the previous version sees: unknown optional fields, tolerated in block records."""
+    payload = json.loads(announcement(**LOADED).to_payload())
+    known_before = {"peer", "model", "start", "end", "state", "throughput", "prefill_tps", "cache_tokens_left",
+                    "version", "seq", "issued_at", "num_blocks"}
+    assert set(payload) - known_before == set(LOADED)
+
+
+def test_the_directory_record_carries_none_of_the_new_fields():
+    """Older validators refuse unknown fields in the directory: peers store the directory form there."""
+    ann = announcement(num_blocks=6, **LOADED)
+    assert check(seal(HONEST, ann.for_directory(), DIRECTORY, NOW + 60), key_id=DIRECTORY).sessions is None
+    with pytest.raises(RecordRejected, match="no unknown fields"):
+        check(seal(HONEST, ann, DIRECTORY, NOW + 60), key_id=DIRECTORY)
+
+
+@pytest.mark.parametrize("changes", [dict(sessions=-1), dict(queued=1.5), dict(since=float("inf")),
+                                     dict(links={"short": 1.0}), dict(links={"AbCdEfGh": -1.0}),
+                                     dict(links={f"{i:08d}": 1.0 for i in range(17)}), dict(links=[1, 2]),
+                                     dict(max_blocks=0), dict(sessions=True)])
+def test_bad_load_or_links_are_refused(changes):
+    with pytest.raises(RecordRejected):
+        announcement(**changes).check_schema()

@@ -1,10 +1,15 @@
-"""Routing: the cheapest chain of peers over a synthetic swarm view, bans, cache room, and the slow-peer detector."""
+"""Routing: the cheapest chain of peers over a synthetic swarm view, bans, cache room, load, links between
+peers, random ties, the bounded wait for blocks, the re-route check, and the slow-peer detector."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 
-from client.routing import UNMEASURED_DELAY_MS, Bans, Hop, Measurements, Offer, find_route
+from client.routing import (LOAD_WEIGHT, UNMEASURED_DELAY_MS, Bans, BlockWait, Hop, Measurements, Offer, find_route,
+                            ranges_text, route_cost_ms, slower_than_assumed, worth_switching)
 from client.session import SlowDetector
 from swarm.errors import NoRoute
 from swarm.span import Span
@@ -217,3 +222,136 @@ def test_forgotten_cache_figure_falls_back_to_the_announcement():
     assert m.cache_left(offer) == 100
     m.forget_cache("a")
     assert m.cache_left(offer) == 900
+
+
+# ---- load ----
+
+def spread(offers, m, sessions: int = 8, **kw) -> Counter:
+    """Routes for `sessions` sessions opened one after another by one client, each counted as load."""
+    load: Counter = Counter()
+    for _ in range(sessions):
+        for hop in route(offers, Span(0, 6), m, load=load, **kw):
+            load[hop.peer] += 1
+    return load
+
+
+def test_sessions_of_one_client_split_evenly_over_equal_replicas():
+    twins = [Offer("a", Span(0, 6), throughput=100.0), Offer("b", Span(0, 6), throughput=100.0)]
+    assert spread(twins, Measurements()) == {"a": 4, "b": 4}
+    assert spread(twins, Measurements(), rng=random.Random(3)) == {"a": 4, "b": 4}
+    # measured, and not quite equal: 10 + 6 * 5 = 40 ms against 12 + 6 * 5.2 = 43.2 ms per token
+    assert sorted(spread(twins, measured(a=(10.0, 5.0, 6), b=(12.0, 5.2, 6))).values()) in ([4, 4], [3, 5])
+
+
+def test_announced_load_raises_a_peers_cost():
+    m = measured(a=(10.0, 5.0, 6), b=(10.0, 5.0, 6))
+    busy = [Offer("a", Span(0, 6), sessions=2, queued=1), Offer("b", Span(0, 6), sessions=1)]
+    assert peers(route(busy, Span(0, 6), m)) == ["b"]  # 10 + 30 * (1 + 0.5 * 3) = 85 against 55
+    assert route_cost_ms([Hop("a", Span(0, 6))], {o.peer: o for o in busy}, m) == 10 + 30 * (1 + LOAD_WEIGHT * 3)
+    # our own sessions count at once; the announcement includes them later, so the larger counts, not the sum
+    assert peers(route(busy, Span(0, 6), m, load={"b": 2})) == ["b"]  # a: 2 + 1 queued; b: max(1, 2) = 2
+    assert peers(route(busy, Span(0, 6), m, load={"b": 4})) == ["a"]
+    # older peers announce no load: None counts as none
+    assert peers(route([Offer("b", Span(0, 6)), Offer("a", Span(0, 6))], Span(0, 6), m)) == ["a"]
+
+
+# ---- random ties ----
+
+def test_seeded_tie_breaking_is_reproducible_and_spreads_over_seeds():
+    twins = [Offer(p, Span(0, 4), throughput=10.0) for p in ("a", "b", "c")]
+    chosen = [peers(route(twins, Span(0, 4), rng=random.Random(seed)))[0] for seed in range(30)]
+    again = [peers(route(twins[::-1], Span(0, 4), rng=random.Random(seed)))[0] for seed in range(30)]
+    assert chosen == again  # the same seed gives the same choice, whatever the order of the view
+    assert set(chosen) == {"a", "b", "c"}
+    assert peers(route(twins, Span(0, 4))) == ["a"]  # without an rng: the lowest peer id, as before
+
+
+def test_random_ties_never_beat_a_cheaper_or_shorter_route():
+    m = measured(fast=(1.0, 1.0, 4), slow=(1.0, 1.1, 4))
+    offers = [Offer("fast", Span(0, 4)), Offer("slow", Span(0, 4))]
+    assert {peers(route(offers, Span(0, 4), m, rng=random.Random(s)))[0] for s in range(20)} == {"fast"}
+    m = measured(z=(20.0, 5.0, 2), a=(10.0, 5.0, 1), b=(10.0, 5.0, 1))  # equal cost: fewer hops still wins
+    offers = [Offer("a", Span(0, 1)), Offer("b", Span(1, 2)), Offer("z", Span(0, 2))]
+    assert all(route(offers, Span(0, 2), m, rng=random.Random(s)) == [Hop("z", Span(0, 2))] for s in range(20))
+
+
+# ---- links between peers, when chaining ----
+
+A, B, C = "12D3KooWfirstpeerAAAAAAAA", "12D3KooWnearclientBBBBBBBB", "12D3KooWneartheotherCCCCCCCC"
+
+
+def test_chained_hops_are_priced_by_the_link_the_previous_peer_announced():
+    m = measured(**{A: (10.0, 1.0, 3), B: (10.0, 1.0, 3), C: (30.0, 1.0, 3)})
+    first = Offer(A, Span(0, 3), links={C[-8:]: 2.0, B[-8:]: 40.0})
+    offers = [first, Offer(B, Span(3, 6)), Offer(C, Span(3, 6))]
+    # relayed, the client's own delays count: B at 10 ms beats C at 30 ms
+    assert peers(route(offers, Span(0, 6), m)) == [A, B]
+    assert peers(route(offers, Span(0, 6), m, chain=True)) == [A, C]  # A reaches C in 2 ms, B in 40 ms
+    by_peer = {o.peer: o for o in offers}
+    assert route_cost_ms([Hop(A, Span(0, 3)), Hop(C, Span(3, 6))], by_peer, m, chain=True) == 10 + 3 + 2 + 3
+    # a link to a peer it does not name: the client's delay to that peer
+    no_link = [Offer(A, Span(0, 3), links={"zzzzzzzz": 1.0}), Offer(B, Span(3, 6)), Offer(C, Span(3, 6))]
+    assert peers(route(no_link, Span(0, 6), m, chain=True)) == [A, B]
+
+
+def test_the_first_hop_costs_the_clients_delay_whatever_links_say():
+    m = measured(**{A: (50.0, 1.0, 6), B: (10.0, 1.0, 6)})
+    offers = [Offer(A, Span(0, 6), links={B[-8:]: 0.1}), Offer(B, Span(0, 6), links={A[-8:]: 0.1})]
+    assert peers(route(offers, Span(0, 6), m, chain=True)) == [B]
+
+
+def test_links_choose_between_chains_over_several_boundaries():
+    """Three spans, two replicas of the middle one: the cheapest path depends on the peer before each hop,
+    which Dijkstra over boundaries alone could not see."""
+    names = {n: f"12D3KooW{n * 8}" for n in "abcde"}
+    a, b1, b2, c = names["a"], names["b"], names["c"], names["d"]
+    m = measured(**{a: (5.0, 1.0, 2), b1: (50.0, 1.0, 2), b2: (50.0, 1.0, 2), c: (50.0, 1.0, 2)})  # far from us
+    offers = [Offer(a, Span(0, 2), links={b1[-8:]: 20.0, b2[-8:]: 1.0}), Offer(b1, Span(2, 4), links={c[-8:]: 1.0}),
+              Offer(b2, Span(2, 4), links={c[-8:]: 1.0}), Offer(c, Span(4, 6))]
+    assert peers(route(offers, Span(0, 6), m, chain=True)) == [a, b2, c]
+    offers[2] = Offer(b2, Span(2, 4), links={c[-8:]: 30.0})  # b2 is near a but far from c: b1's total is less
+    assert peers(route(offers, Span(0, 6), m, chain=True)) == [a, b1, c]
+
+
+def test_ranges_text():
+    assert ranges_text([3, 4, 5, 8]) == "[3:6), [8:9)" and ranges_text([]) == "none"
+
+
+# ---- the bounded wait for blocks ----
+
+def test_block_wait_tries_about_every_interval_until_the_deadline():
+    clock = Clock()
+    wait = BlockWait(3.5, interval=1.0, clock=clock)
+    delays = []
+    while (delay := wait.next_delay()) is not None:
+        delays.append(delay)
+        clock.t += delay + 0.2  # each try takes 0.2 s
+    assert delays == pytest.approx([1.0, 0.8, 0.8, 0.3])  # the last try at the deadline, 3.5 s in
+    assert wait.waited == pytest.approx(3.7)
+
+
+def test_block_wait_is_bounded_by_count_when_the_clock_stands_still():
+    wait = BlockWait(3.0, interval=1.0, clock=lambda: 0.0)
+    assert len([d for d in iter(wait.next_delay, None)]) == 4
+    assert BlockWait(0.0, clock=Clock()).next_delay() is None
+
+
+def test_block_wait_goes_at_once_after_a_try_longer_than_the_interval():
+    clock = Clock()
+    wait = BlockWait(10.0, interval=1.0, clock=clock)
+    assert wait.next_delay() == 1.0
+    clock.t = 3.5  # that try took 2.5 s (a ping that timed out)
+    assert wait.next_delay() == 0.0
+
+
+# ---- a second look at the route after the first decode steps ----
+
+def test_slower_than_assumed_names_the_hops_measured_much_slower():
+    assert slower_than_assumed([1.0, 2.0, 3.0], [2.5, 3.0, None]) == [0]  # 3.0 < 2 * 2.0; None: not measured
+    assert slower_than_assumed([1.0], [2.0]) == []  # exactly twice is not more than twice
+    assert slower_than_assumed([1.0, 1.0], [1.5, 9.0], factor=1.4) == [0, 1]
+
+
+def test_worth_switching_needs_a_clear_margin():
+    assert worth_switching(100.0, 69.0) and not worth_switching(100.0, 71.0)
+    assert not worth_switching(100.0, 100.0) and not worth_switching(100.0, 120.0)

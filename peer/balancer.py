@@ -1,0 +1,107 @@
+"""The peer's view of the swarm for placement, and the links it measures: the thin async shell around
+`swarm.placement`.
+
+- `SwarmView.read` returns what every other peer serves or claims (`placement.Server`s), block by
+  block from the DHT. A record outlives a peer killed outright by up to its TTL, so the peers that are
+  the only server of some block are pinged (at most `MAX_PINGS`, `ping_timeout` each): one that does
+  not answer counts as gone until it announces again (a newer sequence number). That is what lets a
+  hole be filled in seconds rather than a TTL.
+- `Links` keeps the round trips to the peers this peer pushes to (an info call each, every announce
+  interval), announced in compact form for the clients' route costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from swarm import calls, discovery, placement, records
+from swarm.errors import SwarmError
+from swarm.transport import Node, describe_peer
+
+logger = logging.getLogger(__name__)
+
+MAX_PINGS = 8  # sole servers pinged per read at most
+EMA_ALPHA = 0.3
+
+
+class SwarmView:
+    def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 1.0):
+        self.node, self.model_id, self.num_blocks, self.ping_timeout = node, model_id, num_blocks, ping_timeout
+        self.gone: dict[str, int] = {}  # peer -> the newest sequence number it had when it stopped answering
+
+    async def read(self) -> list[placement.Server]:
+        """Every other peer's servers, less the peers that stopped answering."""
+        anns = await discovery.announcements(self.node, self.model_id, self.num_blocks)
+        newest: dict[str, int] = {}
+        for block_anns in anns.values():
+            for ann in block_anns:
+                newest[ann.peer] = max(newest.get(ann.peer, -1), ann.seq)
+        for peer, seq in list(self.gone.items()):
+            if newest.get(peer, -1) > seq or peer not in newest:
+                del self.gone[peer]  # announced again (it is back), or its records are gone anyway
+        served = [s for s in placement.servers(anns, self.num_blocks, exclude={self.node.peer_id})
+                  if s.peer not in self.gone]
+        suspects = sorted(self._sole_servers(served))[:MAX_PINGS]
+        if suspects:
+            answers = await asyncio.gather(*(self._answers(p) for p in suspects))
+            for peer, ok in zip(suspects, answers):
+                if not ok:
+                    logger.info("peer %s does not answer: its blocks count as unserved", describe_peer(peer))
+                    self.gone[peer] = newest.get(peer, -1)
+            served = [s for s in served if s.peer not in self.gone]
+        return served
+
+    def _sole_servers(self, served: list[placement.Server]) -> set[str]:
+        by_block: dict[int, set[str]] = {}
+        for s in served:
+            if s.state == "online":
+                for b in s.span:
+                    by_block.setdefault(b, set()).add(s.peer)
+        return {next(iter(peers)) for peers in by_block.values() if len(peers) == 1}
+
+    async def _answers(self, peer: str) -> bool:
+        try:
+            await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
+            return True
+        except (asyncio.TimeoutError, SwarmError, OSError):
+            return False
+
+
+class Links:
+    """Round trips (ms, moving average) to the peers this one pushes to."""
+
+    def __init__(self, node: Node, timeout: float = 1.0):
+        self.node, self.timeout = node, timeout
+        self.rtt_ms: dict[str, float] = {}
+
+    async def measure(self, peers: list[str]) -> None:
+        peers = peers[:records.MAX_LINKS]
+        results = await asyncio.gather(*(self._ping(p) for p in peers))
+        for peer, ms in zip(peers, results):
+            if ms is None:
+                self.rtt_ms.pop(peer, None)
+            else:
+                old = self.rtt_ms.get(peer)
+                self.rtt_ms[peer] = ms if old is None else old + EMA_ALPHA * (ms - old)
+        for peer in [p for p in self.rtt_ms if p not in peers]:
+            del self.rtt_ms[peer]
+
+    async def _ping(self, peer: str) -> float | None:
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(calls.info(self.node, peer, timeout=self.timeout), self.timeout)
+        except (asyncio.TimeoutError, SwarmError, OSError):
+            return None
+        return (time.perf_counter() - started) * 1e3
+
+    def announced(self) -> dict[str, float] | None:
+        """The compact form records carry: last `LINK_ID_CHARS` of each peer id -> ms."""
+        return {p[-records.LINK_ID_CHARS:]: round(ms, 1) for p, ms in self.rtt_ms.items()} or None
+
+
+def jittered(seconds: float, rng: random.Random, share: float = 0.25) -> float:
+    """`seconds` +- `share`, so that peers started together do not re-evaluate together."""
+    return seconds * (1 + rng.uniform(-share, share))

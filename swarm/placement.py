@@ -1,0 +1,293 @@
+"""Placement: how many blocks a peer serves, and where, from what the swarm announces. Pure: no network,
+no clock of its own.
+
+The model (docs/placement.md has a worked example):
+- A peer's *speed* `s` is the batch-1 decode tokens/s it would reach serving one block
+  (`1000 / block_ms`). Serving a span of `n` blocks it passes `s / n` tokens/s through the span, so it
+  adds `s / n` to the *capacity* of each block it serves. Its announced `throughput` is that `s / n`.
+- A block's capacity is the sum of what its peers add. The swarm's throughput is bounded by its
+  *bottleneck*, the least capacity of any block; a *hole* is a block of capacity 0 (nobody serves it).
+
+Choosing (`best_span`): a peer of speed `s` with room for `memory_blocks` blocks scores every span
+`[start, start + n)`, `n <= memory_blocks`, by, in order:
+  1. the bottleneck once it serves the span (higher; equal within `TIE`, so float noise decides nothing);
+  2. the holes left (fewer);
+  3. whether `n` is within its *stage share* (below): a longer span only where it raises the bottleneck
+     or fills holes;
+  4. the gain in the sum over blocks of log capacity (higher): among spans that leave the bottleneck
+     where it is, the one that raises weak blocks most; holes count at `HOLE_FLOOR` of the least
+     positive capacity so that they weigh most;
+  5. more blocks (fewer hops for clients), then the lowest start (reproducible).
+
+The stage share (`stage_blocks`) is `s * T` blocks, where `T` is the swarm's *stage time*: the seconds
+per token one span should take. Spans of equal stage time keep a pipeline's hops in step: a peer twice
+as fast serves twice the blocks. `T` is the larger of `B / S` (total speed `S` over `B` blocks: every
+peer serving its fair share `s / S * B`, which alone covers the model at the ideal capacity `S / B`)
+and the median over peers of `memory_blocks / s` (in a large swarm most peers then fill their memory,
+for few hops per route, while a slow peer with much memory still takes fewer blocks than a fast one).
+A peer alone in the swarm takes every block that fits. Without this preference a slow peer would take
+long spans whenever they cost nothing in the bottleneck (adding a little to many blocks never lowers
+it), and sessions routed through it would crawl.
+
+Rebalancing (`rebalance`): a serving peer takes itself out of the swarm's capacities, scores the span
+it serves and the best one, and moves only when the best leaves fewer holes, or raises the bottleneck
+by more than `margin` (relative), or is as good on a span within its stage share while the current one
+is longer (a peer that took many blocks when it was alone gives them up once others serve them).
+Everything else stays put: no flapping.
+
+Claims (`claims_before`): a peer that decides to move announces the span it will serve as `joining`
+(with `since`, when it began to claim). Peers count joining spans as served, so they do not go for the
+same hole; when two claims cross on the way, the earlier one (lower `since`, then lower peer id) goes on
+and the later one re-decides with the earlier claim counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from swarm.records import Announcement
+from swarm.span import Span
+
+TIE = 1e-6  # relative difference of bottlenecks below which two spans count as equal
+HOLE_FLOOR = 0.01  # an empty block weighs like one of this share of the least positive capacity
+MARGIN = 0.2  # a move must raise the bottleneck by this share (relative) at least
+SERVING = ("joining", "online")
+
+
+@dataclass(frozen=True)
+class Server:
+    """One peer's announced service: the span and the tokens/s it adds to each of its blocks."""
+
+    peer: str
+    span: Span
+    throughput: float
+    state: str = "online"
+    since: float = 0.0
+    max_blocks: int | None = None  # blocks its memory holds, if announced
+
+    @property
+    def speed(self) -> float:
+        """Tokens/s it would pass serving one block: its throughput times its span's length."""
+        return self.throughput * len(self.span)
+
+
+@dataclass(frozen=True, order=True)
+class Score:
+    """How good the swarm is with one more peer on some span; compares by `key` (higher is better)."""
+
+    key: tuple
+    span: Span
+    bottleneck: float
+    holes: int
+
+
+def servers(announcements: Mapping[int, Iterable[Announcement]], num_blocks: int,
+            exclude: Iterable[str] = ()) -> list[Server]:
+    """What each peer serves or will soon serve, block by block, from the records found under each block.
+
+    Per (peer, block) the newest record found there decides, so a peer that moves has its new span
+    (joining, then online) and the rest of its old one (online until it announces it offline) each
+    counted where it is stored. One `Server` per peer and contiguous run of blocks with the same record."""
+    skip = set(exclude)
+    newest: dict[tuple[str, int], Announcement] = {}
+    for block, anns in announcements.items():
+        if not 0 <= block < num_blocks:
+            continue
+        for ann in anns:
+            key = (ann.peer, block)
+            if ann.peer not in skip and ann.start <= block < ann.end and (key not in newest or ann.seq > newest[key].seq):
+                newest[key] = ann
+    runs: dict[tuple[str, int], list[int]] = {}
+    for (peer, block), ann in newest.items():
+        if ann.state in SERVING:
+            runs.setdefault((peer, ann.seq), []).append(block)
+    out = []
+    for (peer, seq), blocks in sorted(runs.items()):
+        ann = newest[(peer, blocks[0])]
+        blocks.sort()
+        start = blocks[0]
+        for a, b in zip(blocks, blocks[1:] + [None]):
+            if b != a + 1:
+                out.append(Server(peer, Span(start, a + 1), float(ann.throughput), ann.state,
+                                  ann.since or ann.issued_at, ann.max_blocks))
+                start = b
+    return out
+
+
+def online(announcements: Mapping[int, Iterable[Announcement]]) -> dict[str, Announcement]:
+    """Each peer's newest online record, unless under one of that span's blocks its newest record is a
+    newer offline one (it left those blocks).
+
+    What clients route by: a moving peer keeps its old span online while its new one is `joining`, its
+    new span wins once online, and the blocks it left are announced offline under their own keys."""
+    newest_online: dict[str, Announcement] = {}
+    newest_at: dict[tuple[str, int], Announcement] = {}
+    for block, anns in announcements.items():
+        for ann in anns:
+            if ann.state == "online" and (ann.peer not in newest_online or ann.seq > newest_online[ann.peer].seq):
+                newest_online[ann.peer] = ann
+            key = (ann.peer, block)
+            if key not in newest_at or ann.seq > newest_at[key].seq:
+                newest_at[key] = ann
+    out = {}
+    for peer, ann in newest_online.items():
+        left = [newest_at.get((peer, b)) for b in ann.span]
+        if not any(r is not None and r.state == "offline" and r.seq > ann.seq for r in left):
+            out[peer] = ann
+    return out
+
+
+def capacities(num_blocks: int, served: Iterable[Server]) -> list[float]:
+    """Tokens/s each block can pass: the sum over the peers serving it of their throughput."""
+    caps = [0.0] * num_blocks
+    for server in served:
+        for block in server.span:
+            if block < num_blocks:
+                caps[block] += server.throughput
+    return caps
+
+
+def bottleneck(caps: list[float]) -> float:
+    return min(caps) if caps else 0.0
+
+
+def holes(caps: list[float]) -> list[int]:
+    return [b for b, c in enumerate(caps) if c <= 0]
+
+
+def _level(value: float) -> float:
+    """Bottlenecks on a logarithmic grid of relative step `TIE`: equal within TIE compare equal."""
+    return -math.inf if value <= 0 else math.floor(math.log(value) / math.log1p(TIE))
+
+
+def _floors(caps: list[float], speed: float) -> list[float]:
+    positive = [c for c in caps if c > 0]
+    floor = HOLE_FLOOR * (min(positive) if positive else speed)
+    return [c if c > 0 else floor for c in caps]
+
+
+def score(caps: list[float], span: Span, speed: float, prefer_blocks: int | None = None) -> Score:
+    """The score of serving `span` at `speed` (tokens/s for one block) on top of `caps`."""
+    add = speed / len(span)
+    new = [c + add if span.start <= b < span.end else c for b, c in enumerate(caps)]
+    base = _floors(caps, speed)
+    gain = sum(math.log(base[b] + add) - math.log(base[b]) for b in span)
+    low = bottleneck(new)
+    left = sum(1 for c in new if c <= 0)
+    within = prefer_blocks is None or len(span) <= prefer_blocks
+    return Score((_level(low), -left, within, round(gain, 9), len(span), -span.start), span, low, left)
+
+
+def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: int | None = None,
+              min_blocks: int = 1) -> Score:
+    """The best span for a peer of `speed` with room for `max_blocks` blocks (see the module docstring).
+
+    O(blocks x max_blocks): prefix and suffix minima give the bottleneck outside each span, a running
+    minimum the one inside, prefix sums per length the log gain."""
+    total = len(caps)
+    if total < 1 or speed <= 0:
+        raise ValueError(f"cannot place a peer of speed {speed} on {total} blocks")
+    max_blocks = max(1, min(max_blocks, total))
+    prefer = max_blocks if prefer_blocks is None else prefer_blocks
+    prefix_min = [math.inf] * (total + 1)
+    for b in range(total):
+        prefix_min[b + 1] = min(prefix_min[b], caps[b])
+    suffix_min = [math.inf] * (total + 1)
+    for b in range(total - 1, -1, -1):
+        suffix_min[b] = min(suffix_min[b + 1], caps[b])
+    hole_prefix = [0] * (total + 1)
+    for b in range(total):
+        hole_prefix[b + 1] = hole_prefix[b] + (caps[b] <= 0)
+    base = _floors(caps, speed)
+    logs = [math.log(v) for v in base]
+    gains = []  # gains[n - 1][b]: the log gain of blocks [0, b) when a span of n blocks adds speed / n
+    for n in range(1, max_blocks + 1):
+        add, acc, prefix = speed / n, 0.0, [0.0]
+        for b in range(total):
+            acc += math.log(base[b] + add) - logs[b]
+            prefix.append(acc)
+        gains.append(prefix)
+    min_blocks = min(max(1, min_blocks), max_blocks)
+    best: tuple | None = None
+    for start in range(total):
+        inside = math.inf
+        for n in range(1, min(max_blocks, total - start) + 1):
+            end = start + n
+            inside = min(inside, caps[end - 1])
+            if n < min_blocks:
+                continue
+            add = speed / n
+            low = min(prefix_min[start], suffix_min[end], inside + add)
+            left = hole_prefix[start] + hole_prefix[total] - hole_prefix[end]
+            key = (_level(low), -left, n <= prefer, round(gains[n - 1][end] - gains[n - 1][start], 9), n, -start)
+            if best is None or key > best[0]:
+                best = (key, Span(start, end), low, left)
+    return Score(*best)
+
+
+def rebalance(caps: list[float], speed: float, current: Span, max_blocks: int, margin: float = MARGIN,
+              prefer_blocks: int | None = None, min_blocks: int = 1) -> Score | None:
+    """Where a peer serving `current` should move, or None to stay. `caps` leave this peer out."""
+    here = score(caps, current, speed, prefer_blocks)
+    best = best_span(caps, speed, max_blocks, prefer_blocks, min_blocks)
+    if best.span == current:
+        return None
+    if best.holes < here.holes:
+        return best
+    if best.holes == here.holes and best.bottleneck > here.bottleneck * (1 + margin) and best.bottleneck > 0:
+        return best
+    if prefer_blocks is not None and len(current) > prefer_blocks >= len(best.span) and best.holes == here.holes \
+            and best.key[0] >= here.key[0]:
+        return best  # as good, on a span within its stage share: a slow peer lets go of blocks it need not hold
+    return None
+
+
+def peers(served: Iterable[Server]) -> dict[str, tuple[float, int | None]]:
+    """Each peer's (speed, memory in blocks) from its servers; a peer that announced no memory counts its
+    longest span."""
+    out: dict[str, tuple[float, int | None]] = {}
+    for server in served:
+        speed, memory = out.get(server.peer, (0.0, None))
+        memory = max(memory or 0, server.max_blocks or len(server.span))
+        out[server.peer] = (max(speed, server.speed), memory)
+    return out
+
+
+def stage_blocks(speed: float, memory_blocks: int, others: Mapping[str, tuple[float, int | None]],
+               num_blocks: int) -> int:
+    """How many blocks a peer of `speed` holding `memory_blocks` prefers to serve (module docstring)."""
+    everyone = [(speed, memory_blocks)] + [(s, m or 1) for s, m in others.values() if s > 0]
+    total = sum(s for s, _ in everyone)
+    per_speed = sorted(min(m, num_blocks) / s for s, m in everyone)
+    stage = max(num_blocks / total, per_speed[(len(per_speed) - 1) // 2])
+    return max(1, min(memory_blocks, num_blocks, math.ceil(speed * stage - 1e-9)))
+
+
+def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int) -> Score:
+    """Where a peer of `speed` that can hold `memory_blocks` blocks should serve, given the other servers
+    (its own records are left out)."""
+    others = [s for s in served if s.peer != peer]
+    prefer = stage_blocks(speed, memory_blocks, peers(others), num_blocks)
+    return best_span(capacities(num_blocks, others), speed, memory_blocks, prefer)
+
+
+def decide(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int, current: Span,
+           margin: float = MARGIN, min_blocks: int = 1) -> Score | None:
+    """Whether a peer serving `current` should move (the span to move to) or stay (None); see `rebalance`.
+    `min_blocks` = `memory_blocks` keeps the span's length (a peer told how many blocks to serve)."""
+    others = [s for s in served if s.peer != peer]
+    prefer = stage_blocks(speed, memory_blocks, peers(others), num_blocks)
+    return rebalance(capacities(num_blocks, others), speed, current, memory_blocks, margin, prefer, min_blocks)
+
+
+def claims_before(served: Iterable[Server], peer: str, since: float) -> list[Server]:
+    """The servers to count when `peer` checks its own claim made at `since`: every online one and the
+    joining claims made before it (the earlier claim wins; equal times: the lower peer id)."""
+    return [s for s in served if s.peer != peer and (s.state != "joining" or (s.since, s.peer) < (since, peer))]
+
+
+def ideal(num_blocks: int, speeds: Iterable[float]) -> float:
+    """The bottleneck if all capacity were spread perfectly evenly: total speed over the blocks."""
+    return sum(speeds) / num_blocks

@@ -1,0 +1,213 @@
+"""Placement on synthetic swarms: capacities, the bottleneck, how many blocks and where, rebalancing and its
+hysteresis, claims. No sockets, no clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from swarm import placement
+from swarm.placement import Server, best_span, bottleneck, capacities, decide, plan, rebalance
+from swarm.records import Announcement
+from swarm.span import Span
+
+pytestmark = pytest.mark.unit
+
+
+def ann(peer: str, start: int, end: int, state: str = "online", seq: int = 1, throughput: float = 1.0,
+        since: float | None = None) -> Announcement:
+    return Announcement(peer=peer, model="m", start=start, end=end, state=state, throughput=throughput,
+                        prefill_tps=1.0, cache_tokens_left=100, version="0.1.0", seq=seq, issued_at=0.0, since=since)
+
+
+def by_block(*anns: Announcement) -> dict[int, list[Announcement]]:
+    out: dict[int, list[Announcement]] = {}
+    for a in anns:
+        for block in a.span:
+            out.setdefault(block, []).append(a)
+    return out
+
+
+def join_all(speeds: tuple[float, ...], memory: int, num_blocks: int) -> list[Server]:
+    """Peers joining one after another, then rebalancing rounds until nobody moves (bounded)."""
+    swarm: list[Server] = []
+    for i, speed in enumerate(speeds):
+        span = plan(swarm, f"p{i}", speed, memory, num_blocks).span
+        swarm.append(Server(f"p{i}", span, speed / len(span), max_blocks=memory))
+    for _ in range(10):
+        moved = False
+        for i, server in enumerate(list(swarm)):
+            move = decide(swarm, server.peer, speeds[i], memory, num_blocks, server.span)
+            if move is not None:
+                swarm[i] = Server(server.peer, move.span, speeds[i] / len(move.span), max_blocks=memory)
+                moved = True
+        if not moved:
+            return swarm
+    raise AssertionError(f"still moving after 10 rounds: {swarm}")
+
+
+def test_capacity_adds_each_peers_throughput_to_its_blocks():
+    caps = capacities(4, [Server("a", Span(0, 2), 3.0), Server("b", Span(1, 4), 1.5)])
+    assert caps == [3.0, 4.5, 1.5, 1.5]
+    assert bottleneck(caps) == 1.5 and placement.holes(caps) == []
+    assert placement.holes(capacities(3, [Server("a", Span(0, 1), 1.0)])) == [1, 2]
+
+
+def test_servers_take_each_blocks_newest_record_and_skip_offline_ones():
+    """A moving peer: its new span claimed (joining) while the rest of its old one is online; a stopped one
+    (offline, newer) counts nowhere."""
+    anns = by_block(ann("mover", 0, 4, seq=1), ann("stopped", 0, 2, seq=1))
+    for b in (2, 3):  # the mover claimed [2:6): its newer record replaced the old one under blocks 2 and 3
+        anns[b] = [a for a in anns[b] if a.peer != "mover"]
+    for b, records in by_block(ann("mover", 2, 6, state="joining", seq=2, since=5.0)).items():
+        anns.setdefault(b, []).extend(records)
+    for b in (0, 1):
+        anns[b].append(ann("stopped", 0, 2, state="offline", seq=2))
+    got = sorted((s.peer, str(s.span), s.state) for s in placement.servers(anns, 6))
+    assert got == [("mover", "[0:2)", "online"), ("mover", "[2:6)", "joining")]
+    assert placement.servers(anns, 6, exclude={"mover"}) == []
+
+
+def test_a_lone_peer_takes_every_block_that_fits():
+    assert plan([], "a", 10.0, 30, 30).span == Span(0, 30)
+    assert plan([], "a", 10.0, 12, 30).span == Span(0, 12)
+
+
+def test_a_joining_peer_fills_holes_first():
+    swarm = [Server("a", Span(0, 10), 1.0)]
+    assert plan(swarm, "b", 1.0, 10, 30).span == Span(10, 20)
+    assert plan(swarm, "b", 1.0, 25, 30).span == Span(10, 30)  # all the holes, not more
+
+
+@pytest.mark.parametrize("memory", [20, 15])
+@pytest.mark.parametrize("speeds", list(itertools.permutations((4.0, 2.0, 1.0))))
+def test_unequal_peers_in_any_start_order(speeds, memory):
+    """4:2:1 peers with the same memory, in every start order: the model is covered, the bottleneck is the
+    best their memory allows (0.2 tokens/s: the slow and middle peers together carry the blocks the fast one
+    cannot hold), and with room for 20 blocks the slow peer serves the fewest."""
+    swarm = join_all(speeds, memory, 30)
+    caps = capacities(30, swarm)
+    assert placement.holes(caps) == []
+    assert bottleneck(caps) == pytest.approx(0.2)
+    assert bottleneck(caps) >= 0.85 * placement.ideal(30, speeds)
+    if memory == 20:
+        length = {speeds[int(s.peer[1:])]: len(s.span) for s in swarm}
+        assert length[1.0] == min(length.values()) < length[4.0]
+
+
+def test_with_room_for_everything_each_peer_is_a_full_replica():
+    """Adding to every block never lowers the bottleneck: three peers that can each hold the model reach the
+    ideal by each serving all of it (every route then has one hop)."""
+    swarm = join_all((4.0, 2.0, 1.0), 30, 30)
+    assert [s.span for s in swarm] == [Span(0, 30)] * 3
+    assert bottleneck(capacities(30, swarm)) == pytest.approx(placement.ideal(30, (4.0, 2.0, 1.0)))
+
+
+def test_stage_share_makes_slow_peers_prefer_short_spans():
+    others = {"fast": (4.0, 20), "mid": (2.0, 20)}
+    assert placement.stage_blocks(1.0, 20, others, 30) == 10  # median memory/speed = 10 s: 1 x 10 blocks
+    assert placement.stage_blocks(4.0, 20, others, 30) == 20  # capped by its memory
+    assert placement.stage_blocks(1.0, 30, {}, 30) == 30  # alone: everything that fits
+
+
+def test_a_slow_peer_takes_a_short_span_when_a_long_one_buys_nothing():
+    """Blocks all equally served: any span leaves the bottleneck where it is, so the slow peer keeps to its
+    stage share instead of spreading a little over many blocks."""
+    swarm = [Server("fast", Span(0, 20), 0.2, max_blocks=20), Server("mid", Span(10, 30), 0.1, max_blocks=20),
+             Server("mid2", Span(0, 10), 0.1, max_blocks=20)]
+    choice = plan(swarm, "slow", 1.0, 20, 30)
+    assert len(choice.span) <= 10
+
+
+def test_num_blocks_fixes_the_length():
+    assert len(best_span([0.0] * 10, 1.0, 4, min_blocks=4).span) == 4
+    assert len(best_span([5.0] * 10, 1.0, 4, prefer_blocks=1, min_blocks=4).span) == 4
+
+
+def test_rebalance_fills_a_hole_when_it_has_room():
+    """[15:30) lost its only peer; a peer on [0:15) (as is b) moves there: the bottleneck is then b's 1.0,
+    where serving all 30 blocks would leave [15:30) at 0.5."""
+    caps = capacities(30, [Server("b", Span(0, 15), 1.0)])
+    move = rebalance(caps, 15.0, Span(0, 15), 30)
+    assert move is not None and move.span == Span(15, 30) and move.holes == 0 and move.bottleneck == 1.0
+    alone = rebalance([0.0] * 30, 15.0, Span(0, 15), 30)  # nobody else left: it takes the whole model
+    assert alone is not None and alone.span == Span(0, 30)
+
+
+def test_rebalance_does_not_move_when_moving_only_shifts_the_hole():
+    caps = [0.0] * 30  # its partner died; it can hold 15 blocks: wherever it goes, 15 blocks stay empty
+    assert rebalance(caps, 15.0, Span(0, 15), 15) is None
+
+
+def test_rebalance_moves_a_redundant_replica_to_the_weak_blocks():
+    caps = capacities(30, [Server("b", Span(0, 15), 1.0), Server("c", Span(15, 30), 0.2)])
+    move = rebalance(caps, 15.0, Span(0, 15), 15)
+    assert move is not None and move.span == Span(15, 30)
+
+
+def test_hysteresis_no_move_for_a_gain_within_the_margin():
+    """Moving would raise the bottleneck by 10%: below the 20% margin, so the peer stays; at 40% it moves."""
+    caps = capacities(20, [Server("b", Span(0, 10), 1.0), Server("c", Span(10, 20), 1.0)])
+    # serving [0:10) at 1.0/block-span: blocks 10..19 stay at 1.0 either way
+    assert rebalance(caps, 10.0, Span(0, 10), 10) is None
+    caps[15] = 0.9  # a slightly weaker block: moving there gains 10% on the bottleneck
+    assert rebalance(caps, 10.0, Span(0, 10), 10, margin=0.2) is None
+    caps[15] = 0.5
+    move = rebalance(caps, 10.0, Span(0, 10), 10, margin=0.2)
+    assert move is not None and move.span.start <= 15 < move.span.end
+
+
+def test_a_settled_swarm_makes_no_move_for_many_periods():
+    speeds = (4.0, 2.0, 1.0, 3.0, 1.5)
+    swarm = join_all(speeds, 12, 30)
+    for _ in range(20):  # a figure that wobbles by 5% moves nobody
+        for i, server in enumerate(swarm):
+            for wobble in (0.95, 1.05):
+                assert decide(swarm, server.peer, speeds[i] * wobble, 12, 30, server.span) is None
+
+
+def test_an_earlier_claim_wins():
+    swarm = [Server("a", Span(0, 10), 1.0), Server("x", Span(10, 20), 1.0, "joining", since=5.0),
+             Server("y", Span(10, 20), 1.0, "joining", since=7.0)]
+    assert {s.peer for s in placement.claims_before(swarm, "y", 7.0)} == {"a", "x"}
+    assert {s.peer for s in placement.claims_before(swarm, "x", 5.0)} == {"a"}
+    tied = swarm + [Server("w", Span(10, 20), 1.0, "joining", since=5.0)]
+    assert "w" in {s.peer for s in placement.claims_before(tied, "x", 5.0)}  # equal times: the lower id wins
+    assert "x" not in {s.peer for s in placement.claims_before(tied, "w", 5.0)}
+
+
+def test_a_later_claimant_backs_off():
+    """Two peers go for the same hole: with the earlier claim counted, the later one's move is no longer
+    worth it."""
+    swarm = [Server("a", Span(0, 10), 1.0), Server("b", Span(0, 10), 1.0), Server("c", Span(10, 20), 1.0)]
+    # c died: both a and b would take [10:20)
+    alive = swarm[:2]
+    assert decide(alive, "a", 10.0, 10, 20, Span(0, 10)) is not None
+    assert decide(alive, "b", 10.0, 10, 20, Span(0, 10)) is not None
+    claimed = alive + [Server("a", Span(10, 20), 1.0, "joining", since=1.0)]
+    later = placement.claims_before(claimed, "b", 2.0)
+    assert decide(later, "b", 10.0, 10, 20, Span(0, 10)) is None
+
+
+def test_best_span_rejects_impossible_input():
+    with pytest.raises(ValueError):
+        best_span([], 1.0, 3)
+    with pytest.raises(ValueError):
+        best_span([1.0], 0.0, 1)
+
+
+def test_clients_route_by_each_peers_newest_online_span():
+    moving = by_block(ann("m", 0, 4, seq=1))
+    for b, records in by_block(ann("m", 2, 6, state="joining", seq=2)).items():  # claimed, still loading
+        moving[b] = [a for a in moving.get(b, []) if b < 2] + records
+    assert placement.online(moving)["m"].span == Span(0, 4)
+    for b, records in by_block(ann("m", 2, 6, seq=3)).items():  # moved: the new span online...
+        moving[b] = [a for a in moving.get(b, []) if a.seq != 2] + records
+    for b in (0, 1):  # ... and the rest of the old one offline, under its own blocks
+        moving[b].append(ann("m", 0, 4, state="offline", seq=4))
+    assert placement.online(moving)["m"].span == Span(2, 6)
+    left = by_block(ann("gone", 0, 3, seq=1), ann("gone", 0, 3, state="offline", seq=2))
+    assert placement.online(left) == {}
+    backed_off = by_block(ann("b", 0, 3, seq=1), ann("b", 3, 6, state="offline", seq=3))  # a claim taken back
+    assert placement.online(backed_off)["b"].span == Span(0, 3)
