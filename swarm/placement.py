@@ -13,7 +13,7 @@ Choosing (`best_span`): a peer of speed `s` with room for `memory_blocks` blocks
   1. the bottleneck once it serves the span (higher; equal within `TIE`, so float noise decides nothing);
   2. the holes left (fewer);
   3. whether `n` is within its *stage share* (below): a longer span only where it raises the bottleneck
-     or fills holes;
+     or fills holes (`plan`: by more than `MARGIN`, as a move would have to);
   4. the gain in the sum over blocks of log capacity (higher): among spans that leave the bottleneck
      where it is, the one that raises weak blocks most; holes count at `HOLE_FLOOR` of the least
      positive capacity so that they weigh most;
@@ -270,7 +270,21 @@ def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, 
     (its own records are left out)."""
     others = [s for s in served if s.peer != peer]
     prefer = stage_blocks(speed, memory_blocks, peers(others), num_blocks)
-    return best_span(capacities(num_blocks, others), speed, memory_blocks, prefer)
+    return choose(capacities(num_blocks, others), speed, memory_blocks, prefer)
+
+
+def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: int | None,
+           margin: float = MARGIN) -> Score:
+    """A joining peer's span on top of `caps`: `best_span`, beyond the stage share only for a clear gain
+    (fewer holes, or the bottleneck up by `margin`), as a move would need: else a slow peer would take a
+    long span for a hair of bottleneck and give it up at its next re-evaluation (a reload for nothing)."""
+    best = best_span(caps, speed, memory_blocks, prefer_blocks)
+    if prefer_blocks is None or len(best.span) <= prefer_blocks:
+        return best
+    within = best_span(caps, speed, prefer_blocks, prefer_blocks)
+    if best.holes < within.holes or best.bottleneck > within.bottleneck * (1 + margin):
+        return best
+    return within
 
 
 def decide(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int, current: Span,

@@ -96,12 +96,14 @@ def test_unequal_peers_in_any_start_order(speeds, memory):
         assert length[1.0] == min(length.values()) < length[4.0]
 
 
-def test_with_room_for_everything_each_peer_is_a_full_replica():
-    """Adding to every block never lowers the bottleneck: three peers that can each hold the model reach the
-    ideal by each serving all of it (every route then has one hop)."""
+def test_with_room_for_everything_fast_peers_become_full_replicas_and_the_slow_one_half():
+    """Three peers that can each hold the model: the fast and middle ones serve all of it (one-hop routes);
+    for the slow one the whole model would raise the bottleneck by under the margin (0.2 -> 0.233), so it
+    keeps to its stage share (15 blocks)."""
     swarm = join_all((4.0, 2.0, 1.0), 30, 30)
-    assert [s.span for s in swarm] == [Span(0, 30)] * 3
-    assert bottleneck(capacities(30, swarm)) == pytest.approx(placement.ideal(30, (4.0, 2.0, 1.0)))
+    assert [len(s.span) for s in swarm] == [30, 30, 15]
+    assert bottleneck(capacities(30, swarm)) == pytest.approx(0.2)
+    assert bottleneck(capacities(30, swarm)) >= 0.85 * placement.ideal(30, (4.0, 2.0, 1.0))
 
 
 def test_stage_share_makes_slow_peers_prefer_short_spans():
