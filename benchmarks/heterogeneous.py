@@ -2,13 +2,16 @@
 equal spans and against the placement peers used before (by count of peers per block), for every start
 order of the three peers.
 
-Three peers of the demo model (30 blocks), each held to a CPU quota (cgroup v1, root: 20%, 10% and 5% of
-one core, the ratio 4:2:1), so that the peers and not the client are the bottleneck on a 2-core machine.
+Three peers of the demo model (30 blocks), each held to a CPU quota (cgroup v1, root; by default 40%, 20%
+and 10% of one core, the ratio 4:2:1; `--quotas`), so that the peers and not the client are the
+bottleneck on a 2-core machine. (At 20/10/5% one round of the equal spans took 280 s here: 8 x 32
+tokens at 0.9 tokens/s.)
 Each peer's memory budget holds 20 blocks. Placements:
 - `equal`: `--blocks 0:10`, `10:20`, `20:30` (independent of start order: measured once);
 - `count` (before this work): each peer, in start order, took as many blocks as fit (20) in the window
   whose least-served block had the fewest peers, then the fewest in total, then the lowest start (the
   rule is re-done here to pin the spans with `--blocks`);
+- `ideal`: capacity-proportional spans `[0:17) [17:26) [26:30)` (4:2:1), pinned, measured once;
 - `new`: no `--blocks`; the peers measure their speed under their quota, choose and rebalance by
   themselves (`swarm/placement.py`); the run starts once no peer has moved for 12 s.
 Then `swarm api` in front, and 8 streaming clients (threads, the `openai` package) each send one
@@ -17,7 +20,7 @@ of the round, and one session's tokens/s = its tokens / its own time; medians ov
 is each placement-independent capacity figure: the total speed spread perfectly (`placement.ideal`),
 from the peers' own measured block costs, as tokens/s of one pipeline (not counting batching).
 
-    sudo python benchmarks/heterogeneous.py [--orders all|N] [--rounds 2]
+    sudo python benchmarks/heterogeneous.py [--orders rotations|all|N] [--rounds 1] [--quotas 0.4 0.2 0.1]
 
 Writes its table into docs/benchmarks.md between its markers.
 """
@@ -46,7 +49,7 @@ from swarm.records import default_model_id  # noqa: E402
 
 import torch  # noqa: E402
 
-QUOTAS = {"fast": 0.20, "mid": 0.10, "slow": 0.05}
+QUOTAS = {"fast": 0.40, "mid": 0.20, "slow": 0.10}
 MEMORY_BLOCKS = 20
 CACHE_TOKENS = 2048
 CLIENTS = 8
@@ -76,6 +79,7 @@ def budget(path: Path, blocks: int) -> str:
 def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, rounds: int, root: Path) -> dict:
     num_blocks = Checkpoint(path).num_blocks
     pinned = {"equal": {"fast": (0, 10), "mid": (10, 20), "slow": (20, 30)},
+              "ideal": {"fast": (0, 17), "mid": (17, 26), "slow": (26, 30)},  # 4:2:1 of 30 blocks
               "count": count_rule(order, num_blocks, MEMORY_BLOCKS)}.get(placement)
     with LocalSwarm(root) as net:
         net.start_bootstrap()
@@ -115,15 +119,21 @@ def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, round
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--orders", default="all", help="'all' start orders, or how many of them")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--orders", default="rotations", help="'rotations' (each peer started first once), "
+                        "'all' six start orders, or how many of them")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--quotas", type=float, nargs=3, default=list(QUOTAS.values()),
+                        help="CPU shares of one core of the fast, mid and slow peers")
     args = parser.parse_args()
+    QUOTAS.update(zip(("fast", "mid", "slow"), args.quotas))
     if not cpu_quota_supported():
         sys.exit("needs root and the cgroup v1 cpu controller (/sys/fs/cgroup/cpu)")
     path = prepare_demo_model(default_demo_dir(cache_home()))
     model_id = default_model_id(path)
     orders = list(itertools.permutations(("fast", "mid", "slow")))
-    if args.orders != "all":
+    if args.orders == "rotations":
+        orders = [("fast", "mid", "slow"), ("mid", "slow", "fast"), ("slow", "fast", "mid")]
+    elif args.orders != "all":
         orders = orders[:int(args.orders)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-hetero-") as tmp:
@@ -135,6 +145,7 @@ def main() -> None:
             return row
 
         equal = go(orders[0], "equal")
+        ideal = go(orders[0], "ideal")
         table = []
         for order in orders:
             count, new = go(order, "count"), go(order, "new")
@@ -143,11 +154,14 @@ def main() -> None:
     lines = [
         "### Unequal machines: placement by measured speed",
         "",
-        f"Machine: {machine()}. Demo model (30 blocks), three peers held to 20%, 10% and 5% of one core "
-        f"(cgroup CPU quotas, 4:2:1), memory for {MEMORY_BLOCKS} blocks each; `swarm api` in front; {CLIENTS} "
+        f"Machine: {machine()}. Demo model (30 blocks), three peers held to "
+        f"{', '.join(f'{q:.0%}' for q in QUOTAS.values())} of one core (fast, mid, slow: cgroup CPU quotas, "
+        f"4:2:1), memory for {MEMORY_BLOCKS} blocks each; `swarm api` in front; {CLIENTS} "
         f"concurrent greedy {TOKENS}-token streaming requests, median of {args.rounds} rounds. `equal`: "
         f"`[0:10) [10:20) [20:30)` (fast, mid, slow): {equal['aggregate']:.2f} tokens/s aggregate, "
-        f"{equal['session']:.2f} per session. `count`: the placement before this work (peers per block, by "
+        f"{equal['session']:.2f} per session. `ideal`: capacity-proportional spans `[0:17) [17:26) [26:30)`: "
+        f"{ideal['aggregate']:.2f} tokens/s aggregate ({ideal['aggregate'] / equal['aggregate']:.2f}x equal), "
+        f"{ideal['session']:.2f} per session. `count`: the placement before this work (peers per block, by "
         "start order), pinned. `new`: the peers placed and rebalanced themselves.",
         "",
         "| start order | count: spans | count tok/s | new: spans (moves) | new tok/s | new / equal | new / count | "
@@ -162,7 +176,8 @@ def main() -> None:
         f"Measured block costs under the quotas (ms per decode step per block): "
         f"{', '.join(f'{c:.1f}' for c in sorted(costs))}.",
         "",
-        f"Command: `.venv/bin/python benchmarks/heterogeneous.py --orders {args.orders} --rounds {args.rounds}`",
+        f"Command: `.venv/bin/python benchmarks/heterogeneous.py --orders {args.orders} --rounds {args.rounds} "
+        f"--quotas {' '.join(map(str, args.quotas))}`",
     ]
     print(write_section("heterogeneous", lines))
 

@@ -39,7 +39,10 @@ from swarm.span import Span
 
 UNMEASURED_DELAY_MS = 50.0  # network delay assumed for a peer never measured
 UNKNOWN_BLOCK_MS = 100.0  # compute per block assumed for a peer that announced no throughput
-LOAD_WEIGHT = 0.5  # each session (or queued step) at a peer slows its steps by this share of a step
+# Each session (or queued step) at a peer slows its steps by this share of a step: a peer batches the decode
+# steps of its sessions, and 8 sessions on one peer ran 3.43x one session's tokens/s (docs/benchmarks.md,
+# batching), i.e. each step took 8 / 3.43 = 2.33x, 1 + 0.19 per other session.
+LOAD_WEIGHT = 0.2
 NO_LOAD: Mapping[str, int] = MappingProxyType({})
 REROUTE_AFTER = 4  # one-token steps of a session before its route is checked against what it measured
 REROUTE_SLOWER = 2.0  # ... a hop measured this many times slower per block than assumed makes it look again,
@@ -321,7 +324,7 @@ class BlockWait:
 
 def slower_than_assumed(assumed: Sequence[float], measured: Sequence[float | None],
                         factor: float = REROUTE_SLOWER) -> list[int]:
-    """The hops whose measured compute per block is above `factor` times what their route assumed when it
+    """The hops whose measured decode step time is above `factor` times what their route assumed when it
     was chosen (hops not measured yet never count)."""
     return [i for i, (a, m) in enumerate(zip(assumed, measured)) if m is not None and m > factor * a]
 

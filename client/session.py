@@ -121,7 +121,8 @@ class Link:
     used_at: float = field(default_factory=time.monotonic)  # last step sent or session opened
     used_before: float = field(default_factory=time.monotonic)  # used_at before the last step was sent
     reopened: bool = False  # already reopened once on the same peer (its session had expired)
-    assumed_block_ms: float = 0.0  # compute per block (load included) its route assumed when chosen
+    assumed_ms: float = 0.0  # a decode step's time through the hop (delay and compute, load included) its
+    # route assumed when chosen
     claimed: bool = False  # counted in the client's load at its peer until released
 
 
@@ -348,7 +349,7 @@ class InferenceSession:
     def _adopt(self, hops: list[Hop]) -> list[Link]:
         """Links for a newly chosen route (or part of one), with the compute their route assumed; from now on
         they count toward their peers' load."""
-        links = [Link(h, assumed_block_ms=self.client.block_cost_ms(h), claimed=True) for h in hops]
+        links = [Link(h, assumed_ms=self.client.hop_cost_ms(h), claimed=True) for h in hops]
         self.client.claim(hops)
         return links
 
@@ -366,12 +367,15 @@ class InferenceSession:
                 logger.exception("the on_wait hook failed")
 
     def _reconsider(self) -> None:
-        """Once per session, after its first decode steps: hops measured much slower per block than their
-        route assumed (a fresh client trusts announced speeds) are rerouted if the route as a whole becomes
-        clearly cheaper. The same replace-and-replay as for a slow peer, so the output stays exact."""
+        """Once per session, after its first decode steps: hops whose decode steps took much longer than
+        their route assumed (a fresh client trusts announced speeds; a peer's compute figure leaves out
+        what its network side and queue cost) are rerouted if the route as a whole becomes clearly cheaper.
+        A hop's measured time is the median of its decode steps so far, network and queue included. The
+        same replace-and-replay as for a slow peer, so the output stays exact."""
         self.reconsidered = True
-        measured = [self.client.measurements.measured_block_ms(link.hop.peer) for link in self.links]
-        slow = slower_than_assumed([link.assumed_block_ms for link in self.links], measured)
+        measured = [statistics.median(link.detector.normal) if len(link.detector.normal) >= 2 else None
+                    for link in self.links]
+        slow = slower_than_assumed([link.assumed_ms for link in self.links], measured)
         if not slow:
             return
         ours = Counter(link.hop.peer for link in self.links)  # weigh both routes without this session's load
@@ -380,13 +384,17 @@ class InferenceSession:
             hops = [link.hop]
             if i in slow:
                 try:
-                    hops = self.client.find(link.hop.span, self.batch * self.max_length, frozenset(self.avoid),
-                                            self.rng, discount=ours)
+                    # its own estimate is what turned out wrong: the alternatives, against what it measured
+                    hops = self.client.find(link.hop.span, self.batch * self.max_length,
+                                            frozenset(self.avoid | {link.hop.peer}), self.rng, discount=ours)
                 except NoRoute:
                     pass
             plan.append(hops)
-        current = self.client.route_cost_ms(self.route, discount=ours)
-        new = self.client.route_cost_ms([h for hops in plan for h in hops], discount=ours)
+        # the current route as measured; the new one as estimated, with the measured hops it keeps
+        current = sum(m if m is not None else link.assumed_ms for m, link in zip(measured, self.links))
+        new = sum(self.client.route_cost_ms(hops, discount=ours) if i in slow else
+                  (measured[i] if measured[i] is not None else self.links[i].assumed_ms)
+                  for i, hops in enumerate(plan))
         if not worth_switching(current, new):
             return
         logger.info("route after %d decode steps: %.1f ms per token, %.1f ms by another: rerouting",

@@ -21,8 +21,8 @@ import torch
 
 from client import peer_client
 from client.config import ClientConfig
-from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, find_route, ranges_text,
-                            route_cost_ms)
+from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, find_route, hop_cost_ms,
+                            ranges_text, route_cost_ms)
 from swarm import discovery, placement
 from swarm.errors import BadRequest, NoRoute, SwarmError
 from swarm.span import Span
@@ -139,6 +139,11 @@ class SwarmClient:
     def block_cost_ms(self, hop: Hop, discount: Counter[str] | None = None) -> float:
         """What a decode token through one block of the hop's peer costs now, its load included."""
         return block_cost_ms(self.offer(hop.peer), self.measurements, self._load(discount))
+
+    def hop_cost_ms(self, hop: Hop, discount: Counter[str] | None = None) -> float:
+        """What a decode step through the hop should take: the client's delay to its peer plus its blocks'
+        compute under load."""
+        return hop_cost_ms(self.offer(hop.peer), len(hop.span), self.measurements, self._load(discount))
 
     def route_cost_ms(self, hops: list[Hop], discount: Counter[str] | None = None) -> float:
         return route_cost_ms(hops, self.offers, self.measurements, self._load(discount), self.config.chain)

@@ -156,16 +156,16 @@ def test_seeded_sessions_break_ties_reproducibly():
 def test_a_route_much_slower_than_announced_is_switched_once():
     client = view()
     client.offers["b"] = Offer("b", Span(0, 6), throughput=80.0, cache_tokens_left=1000)  # a little slower than "a"
+    for peer in ("a", "b"):
+        client.measurements.ping(peer, 1.0)
     session = InferenceSession(client, 16)
     session.batch, session.links = 1, session._adopt(client.find(Span(0, 6), 16))
     assert session.route == [Hop("a", Span(0, 6))]
-    assumed = session.links[0].assumed_block_ms
-    assert assumed == pytest.approx(1000 / (100 * 6))
+    assumed = session.links[0].assumed_ms
+    assert assumed == pytest.approx(1.0 + 6 * 1000 / (100 * 6))  # delay + 6 blocks at the announced speed
     session.decode_steps = REROUTE_AFTER
-    for peer, block_ms in (("a", 4 * assumed), ("b", None)):
-        client.measurements.ping(peer, 1.0)
-        if block_ms:  # "a" measured four times slower per block than it announced
-            client.measurements.step(peer, rtt_ms=1.0 + 6 * block_ms, compute_ms=6 * block_ms, tokens=1, blocks=6)
+    for _ in range(REROUTE_AFTER):  # "a"'s steps take 4x what was assumed (its queue, its network side)
+        session.links[0].detector.observe(4 * assumed, 1)
     session._reconsider()
     assert session.route == [Hop("b", Span(0, 6))] and session.reconsidered
     [moved] = session.reroutes
@@ -177,13 +177,16 @@ def test_no_switch_without_a_clear_gain_or_a_slow_hop():
     client = view()
     session = InferenceSession(client, 16)
     session.batch, session.links = 1, session._adopt(client.find(Span(0, 6), 16))
-    assumed = session.links[0].assumed_block_ms
-    client.measurements.step("a", rtt_ms=2.0 + 6 * 1.5 * assumed, compute_ms=6 * 1.5 * assumed, tokens=1, blocks=6)
+    assumed = session.links[0].assumed_ms
+    for _ in range(REROUTE_AFTER):
+        session.links[0].detector.observe(1.5 * assumed, 1)
     session._reconsider()  # 1.5x: within what was assumed
     assert session.route == [Hop("a", Span(0, 6))] and not session.reroutes
     client.offers["b"] = Offer("b", Span(0, 6), throughput=1.0, cache_tokens_left=1000)  # the alternative: slower
     session.reconsidered = False
-    client.measurements.step("a", rtt_ms=2.0 + 6 * 9 * assumed, compute_ms=6 * 9 * assumed, tokens=1, blocks=6)
+    session.links[0].detector = type(session.links[0].detector)()
+    for _ in range(REROUTE_AFTER):
+        session.links[0].detector.observe(9 * assumed, 1)
     session._reconsider()
     assert session.route == [Hop("a", Span(0, 6))] and not session.reroutes
 
