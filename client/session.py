@@ -486,8 +486,13 @@ class InferenceSession:
 
     def _can_chain(self, i: int) -> bool:
         """Whether links `i`.. can take a chained step: chaining is on, at least two hops are left, each has an
-        open session used recently (a long-idle one may have been reclaimed: relaying finds out at once)."""
+        open session used recently (a long-idle one may have been reclaimed: relaying finds out at once), and
+        no peer holds two of them (a route rebuilt around a failure can visit a peer twice; peers refuse a
+        chain that names one twice, so such a route is relayed)."""
         if not self.config.chain or i >= len(self.links) - 1:
+            return False
+        peers = [link.hop.peer for link in self.links[i:]]
+        if len(set(peers)) < len(peers):
             return False
         now = time.monotonic()
         return all(link.session is not None and not link.slow and now - link.used_at < IDLE_REOPEN_S

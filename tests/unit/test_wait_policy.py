@@ -230,3 +230,16 @@ def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
     assert 3 <= len(comments) <= 10 and all(lines[i] == f": {WAITING}" for i in comments)
     assert lines[0].startswith("data: ") and '"Hel"' in lines[0]  # comments only between the two chunks
     assert comments[0] > 0 and '"lo"' in lines[comments[-1] + 1] and lines[-1] == "data: [DONE]"
+
+
+def test_a_route_that_visits_a_peer_twice_is_relayed_not_chained():
+    """A route rebuilt around a failure can pass the same peer twice; peers refuse such a chain, so the
+    session relays those hops itself."""
+    from client.session import Link
+
+    session = InferenceSession(view(), 16)
+    opened = SimpleNamespace()  # a session that is open (chaining only checks that there is one)
+    session.links = [Link(Hop("a", Span(0, 2)), session=opened), Link(Hop("b", Span(2, 4)), session=opened),
+                     Link(Hop("a", Span(4, 6)), session=opened)]
+    assert not session._can_chain(0)
+    assert session._can_chain(1)  # from the second hop on, each peer once
