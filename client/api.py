@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import sys
 import time
@@ -37,6 +36,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from client.api_requests import (CHARS_PER_TOKEN, ApiError, checked_text, invalid, parse_common,
+                                 parse_messages)
 from client.config import ApiConfig, ClientConfig
 from client.generation import Generation, Sampling, stop_token_ids
 from client.swarm_client import SwarmClient
@@ -45,142 +46,9 @@ from swarm.errors import ConfigError, NoRoute, SwarmError
 
 logger = logging.getLogger(__name__)
 
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 256
 STREAMING = web.RequestKey("streaming", bool)  # set once a response's head is sent: errors go into the stream
 KEEPALIVE_S = 5.0  # seconds between SSE comments while a started stream waits for blocks
-CHARS_PER_TOKEN = 16  # a prompt longer than context x this many characters cannot fit: refused untokenized
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
-
-class ApiError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
-
-
-def invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value")
-
-
-# ---- request parsing: every field checked, in OpenAI's terms ----
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    # the range first: it compares a huge JSON integer exactly (math.isfinite would overflow) and refuses NaN
-    if type(value) not in (int, float) or not lo <= value <= hi or not math.isfinite(value):
-        raise invalid(name, f"'{name}' must be a number in [{lo:g}, {hi:g}], got {value!r}")
-    return float(value)
-
-
-def _integer(body: dict, name: str, lo: int, hi: int, what: str = "") -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int or not lo <= value <= hi:
-        raise invalid(name, f"'{name}' must be an integer in [{lo}, {hi}]{what}, got {value!r}")
-    return value
-
-
-def _unicode(text: str, param: str) -> str:
-    """`text`, if it can be encoded (JSON allows lone surrogate escapes, tokenizers do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid(param, f"'{param}' is not valid Unicode (it holds a lone surrogate)") from None
-    return text
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS \
-            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise invalid("stop", f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings, each of 1 to "
-                      f"{MAX_STOP_CHARS} characters")
-    return tuple(_unicode(s, "stop") for s in stops)
-
-
-def _unsupported(body: dict, names: dict[str, Callable[[Any], bool]]) -> None:
-    for name, harmless in names.items():
-        if name in body and not harmless(body[name]):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
-
-
-def _text_content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return _unicode(content, where)
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(where, f"'{where}' may hold only text parts ({{\"type\": \"text\", \"text\": ...}})")
-            parts.append(part["text"])
-        return _unicode("".join(parts), where)
-    raise invalid(where, f"'{where}' must be a string or a list of text parts")
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a role in {ROLES}")
-        content = m.get("content")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": "" if content is None else _text_content(content, f"messages[{i}].content")})
-    return out
-
-
-def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
-    """Sampling parameters (max_tokens left 0 when not given), whether to stream, whether to add usage
-    to the stream."""
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise invalid("stream", "'stream' must be a boolean")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("stream_options", "'stream_options' must be an object")
-    if options and not isinstance(options.get("include_usage", False), bool):
-        raise invalid("stream_options", "'stream_options.include_usage' must be a boolean")
-    include_usage = bool(stream and options and options.get("include_usage"))
-    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, param, 1, config.max_tokens, " (this server's limit)")
-    seed = _integer(body, "seed", -2**63, 2**63 - 1)
-    sampling = Sampling(
-        max_tokens=max_tokens or 0,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        n=_integer(body, "n", 1, config.max_n, " (this server's limit)") or 1,
-        stop=_stops(body),
-        seed=None if seed is None else seed % 2**63,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-    )
-    _unsupported(body, {"logprobs": lambda v: not v, "top_logprobs": lambda v: v in (None, 0),
-                        "echo": lambda v: not v, "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
-                        "logit_bias": lambda v: not v, "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
-                        "functions": lambda v: not v, "response_format": lambda v: v in (None, {"type": "text"})})
-    return sampling, bool(stream), include_usage
-
-
-# ---- the gateway ----
 
 class Gateway:
     """The HTTP application over one model of the swarm (see the module docstring)."""
@@ -357,7 +225,7 @@ class Gateway:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            _unicode(prompt, "prompt")
+            checked_text(prompt, "prompt")
             ids = await self._tokenize(len(prompt), "prompt", lambda: self.tokenizer(prompt).input_ids)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             if not all(0 <= t < self.head.vocab_size for t in prompt):

@@ -39,13 +39,14 @@ import asyncio
 import logging
 import statistics
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from client import peer_client
+from client.hops import Inputs, SlowDetector
 from client.peer_client import PeerSession
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient, retryable
@@ -56,58 +57,6 @@ logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 0.5  # seconds a peer that missed a chained step's deadline has to answer an info call
 IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
-
-
-class SlowDetector:
-    """Flags a peer whose decode steps became slow: the median of its last `steps` decode steps is above
-    `factor` times (and `floor_ms` more than) its usual latency, the median of its recent normal steps.
-    A median, so one stray pause never counts, while a peer slow most of the time does."""
-
-    def __init__(self, factor: float = 4.0, steps: int = 3, warmup: int = 5, floor_ms: float = 50.0):
-        self.factor, self.steps, self.warmup, self.floor_ms = factor, steps, warmup, floor_ms
-        self.normal: deque[float] = deque(maxlen=16)
-        self.recent: deque[float] = deque(maxlen=steps)
-
-    def observe(self, ms: float, tokens: int) -> bool:
-        """Record one step; True while the peer counts as slow."""
-        if tokens != 1:
-            return False
-        if len(self.normal) < self.warmup:
-            self.normal.append(ms)
-            return False
-        usual = statistics.median(self.normal)
-        limit = max(self.factor * usual, usual + self.floor_ms)
-        self.recent.append(ms)
-        if ms <= limit:
-            self.normal.append(ms)
-        return len(self.recent) == self.steps and statistics.median(self.recent) > limit
-
-
-class Inputs:
-    """The hidden states sent into one hop, positions [0, length), in a buffer that grows by doubling (up
-    to the session's max length): appending a token copies that token only, not the whole history."""
-
-    def __init__(self, x: torch.Tensor, max_length: int):
-        self.max_length = max_length
-        self.buf = x.new_empty(x.shape[0], min(max(2 * x.shape[1], 16), max_length), x.shape[2])
-        self.length = 0
-        self.append(x)
-
-    def view(self) -> torch.Tensor:
-        return self.buf[:, :self.length]
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def append(self, x: torch.Tensor) -> None:
-        end = self.length + x.shape[1]
-        if end > self.buf.shape[1]:
-            grown = self.buf.new_empty(self.buf.shape[0], min(max(end, 2 * self.buf.shape[1]), self.max_length),
-                                       self.buf.shape[2])
-            grown[:, :self.length] = self.buf[:, :self.length]
-            self.buf = grown
-        self.buf[:, self.length:end] = x
-        self.length = end
 
 
 @dataclass

@@ -27,6 +27,16 @@ MAX_PINGS = 8  # sole servers pinged per read at most
 EMA_ALPHA = 0.3
 
 
+async def round_trip_ms(node: Node, peer: str, timeout: float) -> float | None:
+    """An info call's round trip to `peer` in ms; None if it failed or took longer than `timeout`."""
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(calls.info(node, peer, timeout=timeout), timeout)
+    except (asyncio.TimeoutError, SwarmError, OSError):
+        return None
+    return (time.perf_counter() - started) * 1e3
+
+
 class SwarmView:
     def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 1.0):
         self.node, self.model_id, self.num_blocks, self.ping_timeout = node, model_id, num_blocks, ping_timeout
@@ -63,11 +73,7 @@ class SwarmView:
         return {next(iter(peers)) for peers in by_block.values() if len(peers) == 1}
 
     async def _answers(self, peer: str) -> bool:
-        try:
-            await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
-            return True
-        except (asyncio.TimeoutError, SwarmError, OSError):
-            return False
+        return await round_trip_ms(self.node, peer, self.ping_timeout) is not None
 
 
 class Links:
@@ -79,7 +85,7 @@ class Links:
 
     async def measure(self, peers: list[str]) -> None:
         peers = peers[:records.MAX_LINKS]
-        results = await asyncio.gather(*(self._ping(p) for p in peers))
+        results = await asyncio.gather(*(round_trip_ms(self.node, p, self.timeout) for p in peers))
         for peer, ms in zip(peers, results):
             if ms is None:
                 self.rtt_ms.pop(peer, None)
@@ -88,14 +94,6 @@ class Links:
                 self.rtt_ms[peer] = ms if old is None else old + EMA_ALPHA * (ms - old)
         for peer in [p for p in self.rtt_ms if p not in peers]:
             del self.rtt_ms[peer]
-
-    async def _ping(self, peer: str) -> float | None:
-        started = time.perf_counter()
-        try:
-            await asyncio.wait_for(calls.info(self.node, peer, timeout=self.timeout), self.timeout)
-        except (asyncio.TimeoutError, SwarmError, OSError):
-            return None
-        return (time.perf_counter() - started) * 1e3
 
     def announced(self) -> dict[str, float] | None:
         """The compact form records carry: last `LINK_ID_CHARS` of each peer id -> ms."""

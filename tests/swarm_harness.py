@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from swarm.launch import LocalSwarm, Proc, pid_alive, wait_until
 
-__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "MODEL_ID", "CACHE_TOKENS",
+__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "Fault", "MODEL_ID", "CACHE_TOKENS",
            "IDLE_TIMEOUT", "MAX_SESSIONS", "PEER_OPTIONS"]
 
 
@@ -30,3 +31,32 @@ IDLE_TIMEOUT = 4
 MAX_SESSIONS = 32
 PEER_OPTIONS = ("--model-id", MODEL_ID, "--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2",
                 "--record-ttl", "8", "--idle-timeout", str(IDLE_TIMEOUT), "--max-sessions", str(MAX_SESSIONS))
+
+
+class Fault:
+    """A streamer for `generate`: after `after` tokens, applies `action` to the process of the peer that
+    serves `block` in the running session's route, and records when each token came (`times`) and when
+    the fault struck (`at`)."""
+
+    def __init__(self, net: LocalSwarm, model, action, after: int, block: int = 3):
+        self.net, self.model, self.action, self.after, self.block = net, model, action, after, block
+        self.times: list[float] = []
+        self.victim: str | None = None
+        self.session = None
+        self.at: float | None = None
+
+    def put(self, value) -> None:
+        self.times.append(time.monotonic())
+        if len(self.times) == self.after + 1:  # the first put is the prompt
+            self.session = self.model.active_session
+            peer = next(h.peer for h in self.session.route if h.span.start <= self.block < h.span.end)
+            self.victim = next(name for name, p in self.net.procs.items() if p.peer_id == peer)
+            self.at = time.monotonic()
+            self.action(self.net.procs[self.victim])
+
+    def end(self) -> None:
+        pass
+
+    def worst_gap(self) -> float:
+        """The longest wait between two generated tokens."""
+        return max(b - a for a, b in zip(self.times[1:], self.times[2:]))

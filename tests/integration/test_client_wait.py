@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from swarm.errors import NoRoute
-from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
+from swarm_harness import Fault, LocalSwarm, MODEL_ID, PEER_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -64,29 +64,6 @@ def open_model(net: LocalSwarm, tiny_llama, notices: list, **config) -> Distribu
     return model
 
 
-class Fault:
-    """A streamer that, after `FAULT_AFTER` tokens, applies `action` to the peer serving block 3."""
-
-    def __init__(self, net: LocalSwarm, model: DistributedModelForCausalLM, action):
-        self.net, self.model, self.action = net, model, action
-        self.times: list[float] = []
-        self.victim: str | None = None
-        self.session = None
-        self.at: float | None = None
-
-    def put(self, value) -> None:
-        self.times.append(time.monotonic())
-        if len(self.times) == FAULT_AFTER + 1:  # the first put is the prompt
-            self.session = self.model.active_session
-            peer = next(h.peer for h in self.session.route if h.span.start <= 3 < h.span.end)
-            self.victim = next(name for name, p in self.net.procs.items() if p.peer_id == peer)
-            self.at = time.monotonic()
-            self.action(self.net.procs[self.victim])
-
-    def end(self) -> None:
-        pass
-
-
 def generate(model, streamer):
     return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                           streamer=streamer).tolist()
@@ -101,7 +78,7 @@ def test_a_frozen_last_peer_that_resumes_is_waited_for(gap_swarm, tiny_llama, ex
         timers[-1].start()
 
     with open_model(gap_swarm, tiny_llama, notices) as model:  # the default wait: 30 s
-        fault = Fault(gap_swarm, model, freeze)
+        fault = Fault(gap_swarm, model, freeze, FAULT_AFTER)
         try:
             assert generate(model, fault) == expected
         finally:
@@ -127,7 +104,7 @@ def test_a_dead_last_peer_replaced_by_a_new_one_is_waited_for(gap_swarm, tiny_ll
 
     # a new peer process takes a while to load torch and its blocks on a busy machine: a long wait
     with open_model(gap_swarm, tiny_llama, notices, wait_for_blocks=120) as model:
-        fault = Fault(gap_swarm, model, replace)
+        fault = Fault(gap_swarm, model, replace, FAULT_AFTER)
         try:
             assert generate(model, fault) == expected
         finally:
@@ -143,7 +120,7 @@ def test_with_nothing_coming_back_the_wait_ends_in_no_route(gap_swarm, tiny_llam
     gap_swarm.wait_serving(gap_swarm.procs["tail-2"])
     notices = []
     with open_model(gap_swarm, tiny_llama, notices, wait_for_blocks=3) as model:
-        fault = Fault(gap_swarm, model, lambda proc: gap_swarm.stop(proc.name, signal.SIGKILL))
+        fault = Fault(gap_swarm, model, lambda proc: gap_swarm.stop(proc.name, signal.SIGKILL), FAULT_AFTER)
         with pytest.raises(NoRoute, match=r"blocks \[3:6\) of tiny-llama.*; waited 3(\.\d)? s") as info:
             generate(model, fault)
         waited = time.monotonic() - fault.at

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from swarm.errors import NoRoute
-from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
+from swarm_harness import Fault, LocalSwarm, MODEL_ID, PEER_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -59,30 +59,6 @@ def expected(tiny_llama):
     return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
 
 
-class Fault:
-    """A streamer that, after `FAULT_AFTER` tokens, applies `action` to the peer serving block 3."""
-
-    def __init__(self, net: LocalSwarm, model: DistributedModelForCausalLM, action):
-        self.net, self.model, self.action = net, model, action
-        self.times: list[float] = []
-        self.victim: str | None = None
-        self.session = None
-
-    def put(self, value) -> None:
-        self.times.append(time.monotonic())
-        if len(self.times) == FAULT_AFTER + 1:  # the first put is the prompt
-            self.session = self.model.active_session
-            peer = next(h.peer for h in self.session.route if h.span.start <= 3 < h.span.end)
-            self.victim = next(name for name, p in self.net.procs.items() if p.peer_id == peer)
-            self.action(self.net.procs[self.victim])
-
-    def end(self) -> None:
-        pass
-
-    def worst_gap(self) -> float:
-        return max(b - a for a, b in zip(self.times[1:], self.times[2:]))
-
-
 def generate(model, streamer):
     return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                           streamer=streamer).tolist()
@@ -93,7 +69,7 @@ def test_no_fault_run_matches_local(remote, expected):
 
 
 def test_frozen_peer_is_routed_around(replicated, remote, expected):
-    fault = Fault(replicated, remote, lambda proc: os.kill(proc.popen.pid, signal.SIGSTOP))
+    fault = Fault(replicated, remote, lambda proc: os.kill(proc.popen.pid, signal.SIGSTOP), FAULT_AFTER)
     try:
         assert generate(remote, fault) == expected
     finally:
@@ -134,7 +110,7 @@ def test_slow_peer_is_avoided_for_the_rest_of_the_session(replicated, remote, ex
         throttles.append(Throttle(proc.popen.pid))
         throttles[-1].thread.start()
 
-    fault = Fault(replicated, remote, slow_down)
+    fault = Fault(replicated, remote, slow_down, FAULT_AFTER)
     try:
         assert generate(remote, fault) == expected
     finally:
@@ -147,7 +123,7 @@ def test_slow_peer_is_avoided_for_the_rest_of_the_session(replicated, remote, ex
 
 
 def test_killed_peer_is_replaced_exactly(replicated, remote, expected):
-    fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL))
+    fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL), FAULT_AFTER)
     assert generate(remote, fault) == expected
     [failover] = fault.session.failovers
     assert failover.reason == "connection_lost" and failover.failed_peer == replicated.procs[fault.victim].peer_id
@@ -159,7 +135,7 @@ def test_losing_the_last_replica_is_a_clear_error(replicated, remote):
     wait), the generation fails at once, naming them."""
     client = remote.connection.client
     waiting, client.config = client.config, dataclasses.replace(client.config, wait_for_blocks=0)
-    fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL))
+    fault = Fault(replicated, remote, lambda proc: replicated.stop(proc.name, signal.SIGKILL), FAULT_AFTER)
     try:
         with pytest.raises(NoRoute, match=r"blocks \[3:6\)") as info:
             generate(remote, fault)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from client.model import DistributedModelForCausalLM
 from swarm.checkpoint import Checkpoint
 from swarm.launch import cpu_quota_supported
-from swarm_harness import CACHE_TOKENS, MODEL_ID, LocalSwarm, wait_until
+from swarm_harness import CACHE_TOKENS, MODEL_ID, Fault, LocalSwarm, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,27 +65,13 @@ def test_the_only_peer_of_a_span_is_killed_mid_generation(movable, tiny_llama):
     with transformers' own tokens."""
     local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     expected = local.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
-    killed: list[float] = []
-
-    class KillAfter:
-        def __init__(self):
-            self.puts = 0
-
-        def put(self, value):
-            self.puts += 1
-            if self.puts == FAULT_AFTER + 1:  # the first put is the prompt
-                movable.stop("pinned-b", signal.SIGKILL)
-                killed.append(time.monotonic())
-
-        def end(self):
-            pass
-
     model = DistributedModelForCausalLM.from_pretrained(tiny_llama, movable.bootstrap_addrs, model_id=MODEL_ID)
+    fault = Fault(movable, model, lambda proc: movable.stop(proc.name, signal.SIGKILL), FAULT_AFTER)
     try:
-        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, streamer=KillAfter())
+        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, streamer=fault)
     finally:
         model.close()
-    assert killed, "the fault never fired"
+    assert fault.victim == "pinned-b", "the fault never fired, or hit another peer"
     assert out.tolist() == expected
     free = movable.procs["free"]
     assert free.span() == (3, 6), free.text()[-3000:]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from client.api import MAX_STOP_STRINGS, ApiError, parse_common, parse_messages
+from client.api_requests import MAX_STOP_STRINGS, ApiError, parse_common, parse_messages
 from client.config import ApiConfig
 from client.generation import Sampling
 

@@ -10,7 +10,7 @@ import pytest
 
 from client.routing import (LOAD_WEIGHT, UNMEASURED_DELAY_MS, Bans, BlockWait, Hop, Measurements, Offer, find_route,
                             ranges_text, route_cost_ms, slower_than_assumed, worth_switching)
-from client.session import SlowDetector
+from client.hops import SlowDetector
 from swarm.errors import NoRoute
 from swarm.span import Span
 
