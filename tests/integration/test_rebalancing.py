@@ -79,7 +79,8 @@ def test_the_only_peer_of_a_span_is_killed_mid_generation(movable, tiny_llama):
     assert moves(movable.procs["pinned-a"]) == 0  # --blocks never moves
 
 
-@pytest.mark.skipif(not cpu_quota_supported(), reason="needs root and the cgroup v1 cpu controller")
+@pytest.mark.skipif(not cpu_quota_supported(), reason="an unequal machine needs a CPU quota: root and the cgroup v1 "
+                    "cpu controller (CI and the developers' machines have both; elsewhere this test cannot run)")
 def test_a_slow_peer_serves_fewer_blocks(tmp_path_factory, tiny_llama):
     """Three peers with room for 4 of the 6 blocks and no --blocks; the first one started is held to 10% of
     a core. Alone at first, it takes 4 blocks; once the fast ones join it gives blocks up: they cover the
