@@ -32,9 +32,11 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def build_tiny_checkpoint(family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """Write a random-weight checkpoint of `family` into `directory` (deterministic for a seed)."""
-    kwargs = {**COMMON, **FAMILIES[family]}
+def build_tiny_checkpoint(family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None,
+                          **overrides) -> Path:
+    """Write a random-weight checkpoint of `family` into `directory` (deterministic for a seed); `overrides`
+    replace config fields (e.g. a wider model whose compute outweighs loopback noise)."""
+    kwargs = {**COMMON, **FAMILIES[family], **overrides}
     if family == "phi3":
         kwargs.pop("head_dim")  # phi3 derives it from hidden size and heads
     config = AutoConfig.for_model(family, **kwargs)

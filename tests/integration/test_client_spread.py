@@ -2,11 +2,13 @@
 about evenly (each session's hops count toward its peer's load), and every session's greedy tokens
 still equal transformers run locally; `swarm status` shows the load peers announce.
 
-A swarm of its own: two peers, both with `--blocks 0:6` (the whole tiny llama), started one after the
-other so that the second reuses the first's measured speed (the peers' capacity cache): equal replicas
-announce equal figures. The client pings both a few times before the sessions start, as a client running
-for a while would have, so that its delay figures are settled rather than one noisy ping each: on this
-toy model a token's compute (~3 ms) is the size of that noise, and the sessions choose all at once.
+A swarm of its own: two peers, both with `--blocks 0:6` (the whole of a wider tiny llama), started one
+after the other so that the second reuses the first's measured speed (the peers' capacity cache): equal
+replicas announce equal figures. The client pings both a few times before the sessions start, as a client
+running for a while would have, so that its delay figures are settled rather than one noisy ping each.
+The model is wider than the other tests' (hidden 512: ~2.3 ms per block and decode step, ~14 ms a token):
+on the usual one (~0.4 ms per block) a session's share of load (0.2 x 2.6 ms) was smaller than the noise
+of loopback pings on a busy machine, and once put six sessions of eight on one replica.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from client.model import DistributedModelForCausalLM
 from client.routing import REROUTE_AFTER
 from client.session import InferenceSession
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
+from tiny_models import build_tiny_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -34,20 +37,26 @@ DECODE = REROUTE_AFTER - 1  # decode steps per session: fewer than trigger the r
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, tiny_llama):
+def wide_llama(tmp_path_factory):
+    return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("ckpt-wide-llama"), seed=0, hidden_size=512,
+                                 intermediate_size=2048, head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, wide_llama):
     net = LocalSwarm(tmp_path_factory.mktemp("spread"))
     try:
         net.start_bootstrap()
         for name in ("replica-a", "replica-b"):
-            net.start_peer(name, tiny_llama, "--blocks", "0:6", *PEER_OPTIONS)
+            net.start_peer(name, wide_llama, "--blocks", "0:6", *PEER_OPTIONS)
         yield net
     finally:
         net.stop_all()
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama):
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+def expected(wide_llama):
+    local = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32).eval()
     return local.generate(PROMPT, max_new_tokens=DECODE + 1, do_sample=False, pad_token_id=0)[0, PROMPT.shape[1]:]
 
 
@@ -83,8 +92,8 @@ async def run_sessions(model) -> tuple[list[list[int]], list, dict[str, int]]:
     return tokens, routes, infos
 
 
-def test_concurrent_sessions_of_one_client_spread_over_replicas(replicas, tiny_llama, expected):
-    with DistributedModelForCausalLM.from_pretrained(tiny_llama, replicas.bootstrap_addrs, model_id=MODEL_ID,
+def test_concurrent_sessions_of_one_client_spread_over_replicas(replicas, wide_llama, expected):
+    with DistributedModelForCausalLM.from_pretrained(wide_llama, replicas.bootstrap_addrs, model_id=MODEL_ID,
                                                      route_seed=5) as model:
         tokens, routes, infos = model.connection.run(run_sessions(model), timeout=180)
         assert not model.connection.client.own_load  # every session's load went with it
