@@ -6,19 +6,24 @@ Three peers of the demo model (30 blocks), each held to a CPU quota (cgroup v1, 
 and 10% of one core, the ratio 4:2:1; `--quotas`), so that the peers and not the client are the
 bottleneck on a 2-core machine. (At 20/10/5% one round of the equal spans took 280 s here: 8 x 32
 tokens at 0.9 tokens/s.)
-Each peer's memory budget holds 20 blocks. Placements:
+Each peer runs one compute thread (`OMP_NUM_THREADS=1`): a peer held to a share of one core is a one-core
+machine, and two threads under a quota spin and burn it (one block's decode step of the demo model at
+10% of a core: 27 ms with one thread, 65 ms with two). Each peer's memory budget holds 20 blocks.
+Placements:
 - `equal`: `--blocks 0:10`, `10:20`, `20:30` (independent of start order: measured once);
+- `ideal`: capacity-proportional spans from the block costs the peers measured in the `equal` run (each
+  peer's share of the 30 blocks in proportion to its speed, at most 20, rounded so that the slowest
+  stage is as quick as it can be), pinned, measured once;
 - `count` (before this work): each peer, in start order, took as many blocks as fit (20) in the window
   whose least-served block had the fewest peers, then the fewest in total, then the lowest start (the
   rule is re-done here to pin the spans with `--blocks`);
-- `ideal`: capacity-proportional spans `[0:17) [17:26) [26:30)` (4:2:1), pinned, measured once;
 - `new`: no `--blocks`; the peers measure their speed under their quota, choose and rebalance by
   themselves (`swarm/placement.py`); the run starts once no peer has moved for 12 s.
 Then `swarm api` in front, and 8 streaming clients (threads, the `openai` package) each send one
-greedy 32-token request at once, twice (`--rounds`); aggregate tokens/s = tokens generated / wall time
-of the round, and one session's tokens/s = its tokens / its own time; medians over the rounds. The ideal
-is each placement-independent capacity figure: the total speed spread perfectly (`placement.ideal`),
-from the peers' own measured block costs, as tokens/s of one pipeline (not counting batching).
+greedy 32-token request at once (`--rounds` times); aggregate tokens/s = tokens generated / wall time
+of the round, and one session's tokens/s = its tokens / its own time (median session); medians over the
+rounds. Each row also gives how many tokens of the rounds each peer ran through its blocks (its
+`swarm_peer_tokens` counter): where the work went.
 
     sudo python benchmarks/heterogeneous.py [--orders rotations|all|N] [--rounds 1] [--quotas 0.4 0.2 0.1]
 
@@ -30,10 +35,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +62,9 @@ CACHE_TOKENS = 2048
 CLIENTS = 8
 TOKENS = 32
 OPTIONS = ("--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2", "--record-ttl", "10", "--check-interval",
-           "2", "--rebalance-interval", "4", "--max-sessions", "32")
+           "2", "--rebalance-interval", "4", "--max-sessions", "32", "--metrics-port", "0")
+PEER_ENV = {"OMP_NUM_THREADS": "1"}
+TOKENS_LINE = re.compile(r"^swarm_peer_tokens_total\s+(\S+)", re.M)
 
 
 def count_rule(order: tuple[str, ...], num_blocks: int, n: int) -> dict[str, tuple[int, int]]:
@@ -70,23 +79,42 @@ def count_rule(order: tuple[str, ...], num_blocks: int, n: int) -> dict[str, tup
     return spans
 
 
+def proportional(costs: dict[str, float], num_blocks: int, memory: int) -> dict[str, tuple[int, int]]:
+    """Spans in proportion to speed (1 / cost), at most `memory` blocks each: blocks are handed out one at a
+    time to the peer whose stage would stay quickest, so the slowest stage is as quick as it can be."""
+    counts = dict.fromkeys(costs, 1)
+    for _ in range(num_blocks - len(costs)):
+        name = min((n for n in costs if counts[n] < memory), key=lambda n: ((counts[n] + 1) * costs[n], n))
+        counts[name] += 1
+    spans, start = {}, 0
+    for name in costs:
+        spans[name] = (start, start + counts[name])
+        start += counts[name]
+    return spans
+
+
+def peer_tokens(url: str) -> float:
+    found = TOKENS_LINE.search(urllib.request.urlopen(url, timeout=10).read().decode())
+    return float(found.group(1)) if found else 0.0
+
+
 def budget(path: Path, blocks: int) -> str:
     ckpt = Checkpoint(path)
     per_block = ckpt.block_bytes(0, torch.float32) + CACHE_TOKENS * ckpt.cache_bytes_per_token(torch.float32)
     return str(int((blocks + 0.5) * per_block))
 
 
-def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, rounds: int, root: Path) -> dict:
+def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, rounds: int, root: Path,
+        pinned: dict[str, tuple[int, int]] | None = None) -> dict:
     num_blocks = Checkpoint(path).num_blocks
-    pinned = {"equal": {"fast": (0, 10), "mid": (10, 20), "slow": (20, 30)},
-              "ideal": {"fast": (0, 17), "mid": (17, 26), "slow": (26, 30)},  # 4:2:1 of 30 blocks
-              "count": count_rule(order, num_blocks, MEMORY_BLOCKS)}.get(placement)
+    pinned = pinned or {"equal": {"fast": (0, 10), "mid": (10, 20), "slow": (20, 30)},
+                        "count": count_rule(order, num_blocks, MEMORY_BLOCKS)}.get(placement)
     with LocalSwarm(root) as net:
         net.start_bootstrap()
         for name in order:
             extra = ["--blocks", "%d:%d" % pinned[name]] if pinned else ["--memory-budget", budget(path, MEMORY_BLOCKS)]
             proc = net.start_peer(name, path, "--model-id", model_id, "--capacity-cache",
-                                  str(root / f"{name}-capacity.json"), *OPTIONS, *extra, wait=False)
+                                  str(root / f"{name}-capacity.json"), *OPTIONS, *extra, wait=False, env=PEER_ENV)
             wait_until(lambda: "measuring what a block" in proc.text() or not proc.alive(), 120, f"{name} to join",
                        diagnostics=proc.text)
             net.throttle(proc, QUOTAS[name])
@@ -104,8 +132,11 @@ def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, round
         spans = {n: net.procs[n].span() for n in order}
         moves = sum(net.procs[n].text().count(" moved from ") for n in order)
         url = net.start_api("api", path, "--max-generations", str(CLIENTS)).extra["url"]
+        metrics = {n: net.metrics_url(net.procs[n]) for n in order}
         round_of(url, model_id, 2, 1, 4)  # warm-up: routes measured
+        before = {n: peer_tokens(u) for n, u in metrics.items()}
         results = [round_of(url, model_id, CLIENTS, 1, TOKENS) for _ in range(rounds)]
+        work = {n: peer_tokens(u) - before[n] for n, u in metrics.items()}
         costs = {}
         for n in order:
             try:
@@ -114,7 +145,8 @@ def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, round
                 costs[n] = None
     return {"order": order, "placement": placement, "spans": spans, "moves": moves, "costs": costs,
             "aggregate": statistics.median(r["tokens_per_s"] for r in results),
-            "session": statistics.median(TOKENS / r["total_median"] for r in results)}
+            "session": statistics.median(TOKENS / r["total_median"] for r in results),
+            "work": work}
 
 
 def main() -> None:
@@ -137,44 +169,51 @@ def main() -> None:
         orders = orders[:int(args.orders)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-hetero-") as tmp:
-        def go(order, placement):
-            row = run(path, model_id, order, placement, args.rounds, Path(tmp) / f"{placement}-{'-'.join(order)}")
+        def go(order, placement, pinned=None):
+            row = run(path, model_id, order, placement, args.rounds, Path(tmp) / f"{placement}-{'-'.join(order)}",
+                      pinned)
             rows.append(row)
             print(f"{placement:6} {'/'.join(order):15} {row['aggregate']:.2f} tokens/s aggregate, "
-                  f"{row['session']:.2f} one session; spans {row['spans']}, moves {row['moves']}", flush=True)
+                  f"{row['session']:.2f} one session; spans {row['spans']}, moves {row['moves']}, "
+                  f"tokens per peer {work(row)}, block ms {row['costs']}", flush=True)
             return row
 
         equal = go(orders[0], "equal")
-        ideal = go(orders[0], "ideal")
+        if not all(equal["costs"].get(n) for n in QUOTAS):
+            sys.exit(f"the peers of the equal run left no measured block cost: {equal['costs']}")
+        ideal = go(orders[0], "ideal", proportional({n: equal["costs"][n] for n in QUOTAS}, 30, MEMORY_BLOCKS))
         table = []
         for order in orders:
             count, new = go(order, "count"), go(order, "new")
             table.append((order, count, new))
-    costs = [c for r in rows if r["placement"] == "new" for c in r["costs"].values() if c]
+    costs = equal["costs"]
     lines = [
         "### Unequal machines: placement by measured speed",
         "",
         f"Machine: {machine()}. Demo model (30 blocks), three peers held to "
         f"{', '.join(f'{q:.0%}' for q in QUOTAS.values())} of one core (fast, mid, slow: cgroup CPU quotas, "
-        f"4:2:1), memory for {MEMORY_BLOCKS} blocks each; `swarm api` in front; {CLIENTS} "
-        f"concurrent greedy {TOKENS}-token streaming requests, median of {args.rounds} rounds. `equal`: "
-        f"`[0:10) [10:20) [20:30)` (fast, mid, slow): {equal['aggregate']:.2f} tokens/s aggregate, "
-        f"{equal['session']:.2f} per session. `ideal`: capacity-proportional spans `[0:17) [17:26) [26:30)`: "
-        f"{ideal['aggregate']:.2f} tokens/s aggregate ({ideal['aggregate'] / equal['aggregate']:.2f}x equal), "
-        f"{ideal['session']:.2f} per session. `count`: the placement before this work (peers per block, by "
-        "start order), pinned. `new`: the peers placed and rebalanced themselves.",
+        f"4:2:1), one compute thread each, memory for {MEMORY_BLOCKS} blocks each; `swarm api` in front; {CLIENTS} "
+        f"concurrent greedy {TOKENS}-token streaming requests, median of {args.rounds} round(s). The peers "
+        f"measured {', '.join(f'{costs[n]:.1f}' for n in QUOTAS)} ms per decode step per block "
+        f"(1 : {costs['mid'] / costs['fast']:.1f} : {costs['slow'] / costs['fast']:.1f}). `ideal`: spans in "
+        "proportion to those speeds, pinned. `count`: the placement before this work (peers per block, by "
+        "start order), pinned. `new`: the peers placed and rebalanced themselves. Tokens per peer: what each "
+        "peer ran through its blocks in the round(s) (fast/mid/slow).",
+        "",
+        "| placement | spans | aggregate tokens/s | vs equal | one session tokens/s | tokens per peer |",
+        "|---|---|---|---|---|---|",
+        *(f"| {r['placement']} | {fmt(r['spans'])} | {r['aggregate']:.2f} | {r['aggregate'] / equal['aggregate']:.2f}x "
+          f"| {r['session']:.2f} | {work(r)} |" for r in (equal, ideal)),
         "",
         "| start order | count: spans | count tok/s | new: spans (moves) | new tok/s | new / equal | new / count | "
-        "one session, new |",
-        "|---|---|---|---|---|---|---|---|",
+        "one session, new | tokens per peer, new |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(f"| {'/'.join(o)} | {fmt(c['spans'])} | {c['aggregate']:.2f} | {fmt(n['spans'])} ({n['moves']}) | "
           f"{n['aggregate']:.2f} | {n['aggregate'] / equal['aggregate']:.2f}x | {n['aggregate'] / c['aggregate']:.2f}x | "
-          f"{n['session']:.2f} |" for o, c, n in table),
+          f"{n['session']:.2f} | {work(n)} |" for o, c, n in table),
         "",
         f"Median new / equal: {statistics.median(n['aggregate'] for _, _, n in table) / equal['aggregate']:.2f}x; "
-        f"median new / count: {statistics.median(n['aggregate'] / c['aggregate'] for _, c, n in table):.2f}x. "
-        f"Measured block costs under the quotas (ms per decode step per block): "
-        f"{', '.join(f'{c:.1f}' for c in sorted(costs))}.",
+        f"median new / count: {statistics.median(n['aggregate'] / c['aggregate'] for _, c, n in table):.2f}x.",
         "",
         f"Command: `.venv/bin/python benchmarks/heterogeneous.py --orders {args.orders} --rounds {args.rounds} "
         f"--quotas {' '.join(map(str, args.quotas))}`",
@@ -182,8 +221,12 @@ def main() -> None:
     print(write_section("heterogeneous", lines))
 
 
+def work(row: dict) -> str:
+    return "/".join(f"{row['work'].get(n, 0):.0f}" for n in QUOTAS)
+
+
 def fmt(spans: dict) -> str:
-    return " ".join(f"{n[0]}[{s[0]}:{s[1]})" if s else f"{n[0]}?" for n, s in spans.items())
+    return " ".join(f"{n} `[{s[0]}:{s[1]})`" if s else f"{n} ?" for n, s in spans.items())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,9 +85,9 @@ class LocalSwarm:
         self.bootstrap_addrs: list[str] = []
         self.cgroups: list[Path] = []
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Proc:
         log = self.root / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_HOME": str(self.root / "home")}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_HOME": str(self.root / "home"), **(env or {})}
         with open(log, "wb") as out:
             popen = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                                      env=env)
@@ -113,11 +114,13 @@ class LocalSwarm:
             self.bootstrap_addrs = proc.extra["maddrs"]
         return proc
 
-    def start_peer(self, name: str, model: Path, *extra: str, wait: bool = True, timeout: float = 120) -> Proc:
+    def start_peer(self, name: str, model: Path, *extra: str, wait: bool = True, timeout: float = 120,
+                   env: Mapping[str, str] | None = None) -> Proc:
+        """A peer process; `env`: variables added to its environment (e.g. `OMP_NUM_THREADS`)."""
         identity = self.root / f"{name}.key"
         peer_id = load_or_create(identity).peer_id
         proc = self._spawn(name, ["peer", "--model", str(model), "--initial-peers", *self.bootstrap_addrs,
-                                  "--identity", str(identity), *extra])
+                                  "--identity", str(identity), *extra], env)
         proc.peer_id = peer_id
         if wait:
             self.wait_serving(proc, timeout)

@@ -10,29 +10,42 @@ The model (docs/placement.md has a worked example):
 
 Choosing (`best_span`): a peer of speed `s` with room for `memory_blocks` blocks scores every span
 `[start, start + n)`, `n <= memory_blocks`, by, in order:
-  1. the bottleneck once it serves the span (higher; equal within `TIE`, so float noise decides nothing);
-  2. the holes left (fewer);
-  3. whether `n` is within its *stage share* (below): a longer span only where it raises the bottleneck
-     or fills holes (`plan`: by more than `MARGIN`, as a move would have to);
+  1. the holes left (fewer);
+  2. whether `n` is within its *stage share* (below): a longer span only to fill holes;
+  3. the bottleneck once it serves the span (higher; equal within `TIE`, so float noise decides nothing);
   4. the gain in the sum over blocks of log capacity (higher): among spans that leave the bottleneck
      where it is, the one that raises weak blocks most; holes count at `HOLE_FLOOR` of the least
      positive capacity so that they weigh most;
   5. more blocks (fewer hops for clients), then the lowest start (reproducible).
 
-The stage share (`stage_blocks`) is `s * T` blocks, where `T` is the swarm's *stage time*: the seconds
-per token one span should take. Spans of equal stage time keep a pipeline's hops in step: a peer twice
-as fast serves twice the blocks. `T` is the larger of `B / S` (total speed `S` over `B` blocks: every
-peer serving its fair share `s / S * B`, which alone covers the model at the ideal capacity `S / B`)
-and the median over peers of `memory_blocks / s` (in a large swarm most peers then fill their memory,
-for few hops per route, while a slow peer with much memory still takes fewer blocks than a fast one).
-A peer alone in the swarm takes every block that fits. Without this preference a slow peer would take
-long spans whenever they cost nothing in the bottleneck (adding a little to many blocks never lowers
-it), and sessions routed through it would crawl.
+The stage share (`stage_blocks`) is `s * T` blocks (rounded up), where `T` is the swarm's
+*stage time* (`stage_time`): the seconds per token one span should take. Spans of equal stage time keep
+a pipeline's hops in step: a peer twice as fast serves twice the blocks. `T` is the stage time at which
+the shares (each capped by its peer's memory) add up to a whole number `k` of copies of the model, with
+`k` the copies they make at the speed-weighted median over peers of `memory_blocks / s` (when the peers
+that hold half of the swarm's speed fill their memory), at least 1. With `k` = 1 and no memory in the
+way, `T` = `B / S` (total speed `S` over `B` blocks): every peer serving its fair share `s / S * B`
+covers the model once at the ideal capacity `S / B`. In a large swarm `k` is large and most spans are
+long, for few hops per route, while a slow peer with much memory still takes fewer blocks than a fast
+one. Whole copies, because a block's capacity is about its number of copies over `T`: a fraction of a
+copy more lengthens every span without adding a copy everywhere. A peer alone takes every block that
+fits.
+
+Why the share is a hard limit (except for holes), not a preference the bottleneck may override: the
+capacity model above adds a slow peer's `s / n` to blocks a fast peer also serves, but clients route each
+session through the quickest hops, so a replica whose hop is much slower than its neighbour's carries
+almost nothing until the fast one is swamped, and the sessions it does carry are stragglers. Measured
+(docs/benchmarks.md, unequal machines): with the share as a preference, a peer at 10% of a core took
+`[20:30)` next to a peer at 20% that served the same blocks (the model's bottleneck rose 25%); clients
+sent it 2 of 8 sessions, which finished 24 s after the others. Kept to its share it takes 2 blocks
+alone and the pipeline's hops stay in step.
 
 Rebalancing (`rebalance`): a serving peer takes itself out of the swarm's capacities, scores the span
 it serves and the best one, and moves only when the best leaves fewer holes, or raises the bottleneck
-by more than `margin` (relative), or is as good on a span within its stage share while the current one
-is longer (a peer that took many blocks when it was alone gives them up once others serve them).
+by more than `margin` (relative), or when the current span is longer than its stage share and the best
+(within it) leaves no more holes and either keeps the bottleneck or the current span exceeds the share
+by more than `margin` and a block (a peer that took many blocks when it was alone, or to fill a hole
+others now fill, gives them up; a wobble of its speed that moves its share by a block moves nothing).
 Everything else stays put: no flapping.
 
 Claims (`claims_before`): a peer that decides to move announces the span it will serve as `joining`
@@ -177,7 +190,7 @@ def score(caps: list[float], span: Span, speed: float, prefer_blocks: int | None
     low = bottleneck(new)
     left = sum(1 for c in new if c <= 0)
     within = prefer_blocks is None or len(span) <= prefer_blocks
-    return Score((_level(low), -left, within, round(gain, 9), len(span), -span.start), span, low, left)
+    return Score((-left, within, _level(low), round(gain, 9), len(span), -span.start), span, low, left)
 
 
 def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: int | None = None,
@@ -221,7 +234,7 @@ def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: i
             add = speed / n
             low = min(prefix_min[start], suffix_min[end], inside + add)
             left = hole_prefix[start] + hole_prefix[total] - hole_prefix[end]
-            key = (_level(low), -left, n <= prefer, round(gains[n - 1][end] - gains[n - 1][start], 9), n, -start)
+            key = (-left, n <= prefer, _level(low), round(gains[n - 1][end] - gains[n - 1][start], 9), n, -start)
             if best is None or key > best[0]:
                 best = (key, Span(start, end), low, left)
     return Score(*best)
@@ -238,9 +251,10 @@ def rebalance(caps: list[float], speed: float, current: Span, max_blocks: int, m
         return best
     if best.holes == here.holes and best.bottleneck > here.bottleneck * (1 + margin) and best.bottleneck > 0:
         return best
-    if prefer_blocks is not None and len(current) > prefer_blocks >= len(best.span) and best.holes == here.holes \
-            and best.key[0] >= here.key[0]:
-        return best  # as good, on a span within its stage share: a slow peer lets go of blocks it need not hold
+    if prefer_blocks is not None and len(current) > prefer_blocks >= len(best.span) and best.holes <= here.holes \
+            and (_level(best.bottleneck) >= _level(here.bottleneck)
+                 or len(current) > max(prefer_blocks + 1, prefer_blocks * (1 + margin))):
+        return best  # within its stage share, no hole left: a slow peer lets go of blocks it need not hold
     return None
 
 
@@ -255,13 +269,35 @@ def peers(served: Iterable[Server]) -> dict[str, tuple[float, int | None]]:
     return out
 
 
+def stage_time(everyone: Iterable[tuple[float, int]], num_blocks: int) -> float:
+    """The swarm's stage time in seconds per token (module docstring), from each peer's (speed, memory in
+    blocks)."""
+    peers_ = [(s, max(1, min(m, num_blocks))) for s, m in everyone if s > 0]
+    if not peers_:
+        raise ValueError("no peer with a positive speed")
+    total = sum(s for s, _ in peers_)
+    full = sorted((m / s, s, m) for s, m in peers_)  # (seconds at which the peer's memory is full, speed, memory)
+    held, median = 0.0, full[-1][0]  # the speed-weighted median of memory / speed
+    for seconds, s, _ in full:
+        held += s
+        if held >= total / 2:
+            median = seconds
+            break
+    copies = max(1, math.floor(sum(min(m, s * median) for s, m in peers_) / num_blocks + 1e-9))
+    target = copies * num_blocks  # blocks the shares should add up to: whole copies of the model
+    capped, growing = 0.0, total  # below the next peer's full point: shares add up to capped + growing * t
+    for seconds, s, m in full:
+        if capped + growing * seconds >= target:
+            return (target - capped) / growing
+        capped, growing = capped + m, growing - s
+    return full[-1][0]  # even with every memory full the shares fall short: everyone fills its memory
+
+
 def stage_blocks(speed: float, memory_blocks: int, others: Mapping[str, tuple[float, int | None]],
-               num_blocks: int) -> int:
-    """How many blocks a peer of `speed` holding `memory_blocks` prefers to serve (module docstring)."""
+                 num_blocks: int) -> int:
+    """How many blocks a peer of `speed` holding `memory_blocks` serves: its stage share (module docstring)."""
     everyone = [(speed, memory_blocks)] + [(s, m or 1) for s, m in others.values() if s > 0]
-    total = sum(s for s, _ in everyone)
-    per_speed = sorted(min(m, num_blocks) / s for s, m in everyone)
-    stage = max(num_blocks / total, per_speed[(len(per_speed) - 1) // 2])
+    stage = stage_time(everyone, num_blocks)
     return max(1, min(memory_blocks, num_blocks, math.ceil(speed * stage - 1e-9)))
 
 
@@ -273,18 +309,9 @@ def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, 
     return choose(capacities(num_blocks, others), speed, memory_blocks, prefer)
 
 
-def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: int | None,
-           margin: float = MARGIN) -> Score:
-    """A joining peer's span on top of `caps`: `best_span`, beyond the stage share only for a clear gain
-    (fewer holes, or the bottleneck up by `margin`), as a move would need: else a slow peer would take a
-    long span for a hair of bottleneck and give it up at its next re-evaluation (a reload for nothing)."""
-    best = best_span(caps, speed, memory_blocks, prefer_blocks)
-    if prefer_blocks is None or len(best.span) <= prefer_blocks:
-        return best
-    within = best_span(caps, speed, prefer_blocks, prefer_blocks)
-    if best.holes < within.holes or best.bottleneck > within.bottleneck * (1 + margin):
-        return best
-    return within
+def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: int | None) -> Score:
+    """A joining peer's span on top of `caps`: `best_span`, so beyond its stage share only to fill holes."""
+    return best_span(caps, speed, memory_blocks, prefer_blocks)
 
 
 def decide(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int, current: Span,
