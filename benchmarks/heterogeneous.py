@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import sys
@@ -135,8 +136,15 @@ def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, round
         metrics = {n: net.metrics_url(net.procs[n]) for n in order}
         round_of(url, model_id, 2, 1, 4)  # warm-up: routes measured
         before = {n: peer_tokens(u) for n, u in metrics.items()}
-        results = [round_of(url, model_id, CLIENTS, 1, TOKENS) for _ in range(rounds)]
+        results, failed = [], None
+        for _ in range(rounds):
+            try:
+                results.append(round_of(url, model_id, CLIENTS, 1, TOKENS))
+            except RuntimeError as e:  # requests failed: the row says so, and counts as 0 tokens/s
+                failed = str(e)
+                results.append({"tokens_per_s": 0.0, "total_median": math.inf})
         work = {n: peer_tokens(u) - before[n] for n, u in metrics.items()}
+        spans_after = {n: net.procs[n].span() for n in order}
         costs = {}
         for n in order:
             try:
@@ -146,6 +154,7 @@ def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, round
     return {"order": order, "placement": placement, "spans": spans, "moves": moves, "costs": costs,
             "aggregate": statistics.median(r["tokens_per_s"] for r in results),
             "session": statistics.median(TOKENS / r["total_median"] for r in results),
+            "failed": failed, "spans_after": spans_after,
             "work": work}
 
 
@@ -175,7 +184,9 @@ def main() -> None:
             rows.append(row)
             print(f"{placement:6} {'/'.join(order):15} {row['aggregate']:.2f} tokens/s aggregate, "
                   f"{row['session']:.2f} one session; spans {row['spans']}, moves {row['moves']}, "
-                  f"tokens per peer {work(row)}, block ms {row['costs']}", flush=True)
+                  f"tokens per peer {work(row)}, block ms {row['costs']}"
+                  + (f"; spans after the round {row['spans_after']}" if row["spans_after"] != row["spans"] else "")
+                  + (f"; FAILED: {row['failed']}" if row["failed"] else ""), flush=True)
             return row
 
         equal = go(orders[0], "equal")
@@ -208,7 +219,7 @@ def main() -> None:
         "| start order | count: spans | count tok/s | new: spans (moves) | new tok/s | new / equal | new / count | "
         "one session, new | tokens per peer, new |",
         "|---|---|---|---|---|---|---|---|---|",
-        *(f"| {'/'.join(o)} | {fmt(c['spans'])} | {c['aggregate']:.2f} | {fmt(n['spans'])} ({n['moves']}) | "
+        *(f"| {'/'.join(o)} | {fmt(c['spans'])}{note(c)} | {c['aggregate']:.2f} | {fmt(n['spans'])} ({n['moves']}){note(n)} | "
           f"{n['aggregate']:.2f} | {n['aggregate'] / equal['aggregate']:.2f}x | {n['aggregate'] / c['aggregate']:.2f}x | "
           f"{n['session']:.2f} | {work(n)} |" for o, c, n in table),
         "",
@@ -219,6 +230,12 @@ def main() -> None:
         f"--quotas {' '.join(map(str, args.quotas))}`",
     ]
     print(write_section("heterogeneous", lines))
+
+
+def note(row: dict) -> str:
+    """What changed or went wrong during the row's rounds."""
+    text = f"; after the round: {fmt(row['spans_after'])}" if row["spans_after"] != row["spans"] else ""
+    return text + (f"; **failed**: {row['failed'][:160]}" if row["failed"] else "")
 
 
 def work(row: dict) -> str:

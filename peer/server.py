@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -282,9 +283,11 @@ class Peer:
             self.announcer.claim(target)
             await self.announcer.announce("joining", self.figures(), keep=old_span)
         loop = asyncio.get_running_loop()
-        both = len(old_span) + len(target) - len(range(max(old_span.start, target.start),
-                                                        min(old_span.end, target.end)))
-        if both > self.memory:
+        overlap = Span(max(old_span.start, target.start), min(old_span.end, target.end)) \
+            if old_span.start < target.end and target.start < old_span.end else None
+        both = len(old_span) + len(target) - (len(overlap) if overlap else 0)  # the overlap is held once
+        drain_blocks, drain_span = old_blocks, old_span  # what drains once the new span serves
+        if both > self.memory and overlap is None:
             logger.warning("peer %s: blocks %s and %s do not fit in memory at once (room for %d blocks): announcing "
                            "%s offline first; its sessions fail over", self.name, old_span, target, self.memory,
                            old_span)
@@ -292,19 +295,35 @@ class Peer:
             await self.announcer.announce("joining", self.figures(), keep=old_span, keep_state="offline")
             for session in self.servicer.sessions_on(old_blocks):
                 self.servicer.sessions.close(session.id)
-            self.servicer.blocks = old_blocks = None
+            self.servicer.blocks = drain_blocks = None
+        elif both > self.memory:
+            # keep serving the overlap (shared, nothing read) while the rest of the new span loads
+            logger.warning("peer %s: blocks %s and %s do not fit in memory at once (room for %d blocks): serving "
+                           "only %s while the rest loads; sessions on the rest of %s fail over", self.name, old_span,
+                           target, self.memory, overlap, old_span)
+            kept = SpanBlocks(self.ckpt, overlap, self.dtype, reuse=old_blocks)
+            self.servicer.activate(kept, overlap)
+            for session in self.servicer.sessions_on(old_blocks):
+                self.servicer.sessions.close(session.id)
+            self.announcer.claim(overlap)
+            await self.announce("online", keep=old_span, keep_state="offline")
+            self.announcer.claim(target)
+            await self.announce("joining")  # the overlap's online record still routes clients meanwhile
+            drain_blocks, drain_span = kept, overlap
+        reuse = drain_blocks if overlap is not None else None
         try:
             logger.info("peer %s loading blocks %s of %s", self.name, target, self.model_id)
-            blocks = await loop.run_in_executor(None, SpanBlocks, self.ckpt, target, self.dtype)
+            blocks = await loop.run_in_executor(None, functools.partial(SpanBlocks, self.ckpt, target, self.dtype,
+                                                                        reuse=reuse))
         finally:
             self.servicer.moving = False
         self.servicer.activate(blocks, target)
         self.servicer.moves += 1
         await self.announce("online", keep=old_span, keep_state="offline")
-        if old_blocks is not None:
-            self.draining = (old_blocks, old_span, time.monotonic() + self.config.drain_timeout)
+        if drain_blocks is not None:
+            self.draining = (drain_blocks, drain_span, time.monotonic() + self.config.drain_timeout)
         logger.info("peer %s moved from blocks %s to %s (%d sessions draining on the old span)", self.name, old_span,
-                    target, len(self.servicer.sessions_on(old_blocks)) if old_blocks is not None else 0)
+                    target, len(self.servicer.sessions_on(drain_blocks)) if drain_blocks is not None else 0)
 
     def _drain_deadline(self) -> float:
         return math.inf if self.draining is None else min(self.draining[2], time.monotonic() + 1.0)

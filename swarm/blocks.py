@@ -67,11 +67,20 @@ class SpanBlocks(torch.nn.Module):
     """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
 
     def __init__(self, checkpoint: Checkpoint | str, span: Span, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", reuse: SpanBlocks | None = None):
+        """`reuse`: blocks already loaded (same checkpoint, dtype and device) whose layers inside `span` are
+        shared rather than read again, so a peer moving to an overlapping span loads only the new blocks
+        and holds the overlap once."""
         super().__init__()
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         span.check_within(ckpt.num_blocks)
         self.span, self.dtype, self.device = span, parse_dtype(dtype), torch.device(device)
+        if reuse is not None and (reuse.dtype, reuse.device, reuse.model_type) != (self.dtype, self.device,
+                                                                                     ckpt.model_type):
+            raise ValueError(f"cannot reuse blocks {reuse.span} ({reuse.model_type}, {reuse.dtype}, {reuse.device}) "
+                             f"for {ckpt.model_type} in {self.dtype} on {self.device}")
+        shared = {i: reuse.layers[i - reuse.span.start] for i in span
+                  if reuse is not None and reuse.span.start <= i < reuse.span.end}
         self.model_type = ckpt.model_type
         self.layer_types = ckpt.layout.layer_types[span.start:span.end]
 
@@ -79,10 +88,11 @@ class SpanBlocks(torch.nn.Module):
         skel = ckpt.skeleton(self.dtype)
         self.config = skel.config  # carries the attention implementation the masks must match
         prefix = ckpt.layout.base_prefix
-        names = [n for i in span for n in ckpt.tensor_names(f"{prefix}.layers.{i}.")]
-        ckpt.load_into(skel, names, self.dtype)
+        names = [n for i in span if i not in shared for n in ckpt.tensor_names(f"{prefix}.layers.{i}.")]
+        if len(shared) < len(span):
+            ckpt.load_into(skel, names, self.dtype)
         base = getattr(skel, prefix)
-        self.layers = torch.nn.ModuleList(base.layers[i] for i in span)
+        self.layers = torch.nn.ModuleList(shared.get(i, base.layers[i]) for i in span)
         for i, layer in zip(span, self.layers):
             left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.device.type == "meta"]
             if left:
@@ -93,8 +103,9 @@ class SpanBlocks(torch.nn.Module):
         self._rotary_takes_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.requires_grad_(False)
         self.eval()
-        logger.info("loaded blocks %s of %s (%s, %.1fM parameters) in %.1f s", span, ckpt.model_type,
-                    str(self.dtype).removeprefix("torch."), self.num_parameters() / 1e6, time.monotonic() - started)
+        logger.info("loaded blocks %s of %s (%s, %.1fM parameters%s) in %.1f s", span, ckpt.model_type,
+                    str(self.dtype).removeprefix("torch."), self.num_parameters() / 1e6,
+                    f"; {len(shared)} blocks shared with {reuse.span}" if shared else "", time.monotonic() - started)
 
     @property
     def hidden_size(self) -> int:

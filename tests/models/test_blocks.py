@@ -121,6 +121,23 @@ def test_span_holds_only_its_parameters(tiny_checkpoint):
         ref.num_parameters()
 
 
+@torch.inference_mode()
+def test_a_span_that_overlaps_loaded_blocks_shares_them(tiny_checkpoint):
+    """What a moving peer does: the overlap of the old and new spans is shared, not read again, and the
+    new span computes exactly what a fresh load does; blocks of another dtype are refused."""
+    path = tiny_checkpoint("qwen3")
+    old = SpanBlocks(path, Span(0, 4))
+    moved, fresh = SpanBlocks(path, Span(2, 6), reuse=old), SpanBlocks(path, Span(2, 6))
+    assert moved.layers[0] is old.layers[2] and moved.layers[1] is old.layers[3]
+    assert moved.layers[2] is not fresh.layers[2]
+    hidden = torch.randn(2, 7, moved.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(moved(hidden), fresh(hidden))
+    inside = SpanBlocks(path, Span(1, 3), reuse=old)  # nothing to read
+    assert all(a is b for a, b in zip(inside.layers, old.layers[1:3]))
+    with pytest.raises(ValueError, match="cannot reuse"):
+        SpanBlocks(path, Span(2, 6), dtype="bfloat16", reuse=old)
+
+
 def test_sharded_checkpoint_reads_only_the_span_shards(tmp_path):
     from tiny_models import build_tiny_checkpoint
 
