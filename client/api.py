@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from client.api_requests import (CHARS_PER_TOKEN, ApiError, checked_text, invalid, parse_common,
                                  parse_messages)
+from client.api_responses import ResponseBodies
 from client.config import ApiConfig, ClientConfig
 from client.generation import Generation, Sampling, stop_token_ids
 from client.swarm_client import SwarmClient
@@ -282,7 +282,7 @@ class Gateway:
         events = gen.run()
         try:
             try:
-                return await self._respond(request, gen, events, _Output(kind, self.model_id, sampling.n), stream,
+                return await self._respond(request, gen, events, ResponseBodies(kind, self.model_id, sampling.n), stream,
                                            include_usage)
             finally:
                 self.running -= 1
@@ -311,7 +311,7 @@ class Gateway:
         self.m_token_seconds.observe(now - last[0])
         last[0] = now
 
-    async def _respond(self, request: web.Request, gen: Generation, events, out: _Output, stream: bool,
+    async def _respond(self, request: web.Request, gen: Generation, events, out: ResponseBodies, stream: bool,
                        include_usage: bool) -> web.StreamResponse:
         try:  # the prompt runs before any header is sent, so its errors keep their status
             first = await anext(events, [])
@@ -397,55 +397,6 @@ def _api_error(err: SwarmError, retry_after: int) -> ApiError:
     if err.code == "bad_request":
         return ApiError(400, str(err), code="bad_request")
     return ApiError(502, f"the swarm failed: {err}", type="server_error", code=err.code)
-
-
-class _Output:
-    """Builds a response's JSON: whole, or as stream chunks, in OpenAI's formats."""
-
-    def __init__(self, kind: str, model: str, n: int):
-        self.kind, self.model, self.n = kind, model, n
-        self.chat = kind == "chat.completion"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, gen: Generation) -> dict[str, Any]:
-        """The finished generation's answer: each choice's text is what a stream would have carried."""
-        if self.chat:
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": c.finish_reason, "logprobs": None} for c in gen.choices]
-        else:
-            choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-                       for c in gen.choices]
-        return {**self._head(self.kind), "choices": choices, "usage": _usage(gen)}
-
-    def opening(self) -> list[dict[str, Any]]:
-        """Chat streams start with the assistant role, one chunk per choice."""
-        if not self.chat:
-            return []
-        return [{**self._head("chat.completion.chunk"), "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}
-            for i in range(self.n)]
-
-    def chunks(self, deltas) -> list[dict[str, Any]]:
-        """One chunk per choice's delta, as OpenAI sends them (clients read `choices[0]`)."""
-        if self.chat:
-            return [{**self._head("chat.completion.chunk"), "choices": [
-                {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                 "finish_reason": d.finish_reason, "logprobs": None}]} for d in deltas]
-        return [{**self._head("text_completion"), "choices": [
-            {"index": d.index, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}]} for d in deltas]
-
-    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": _usage(gen)}
-
-
-def _usage(gen: Generation) -> dict[str, int]:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
 # ---- the process ----

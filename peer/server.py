@@ -301,7 +301,8 @@ class Peer:
             logger.warning("peer %s: blocks %s and %s do not fit in memory at once (room for %d blocks): serving "
                            "only %s while the rest loads; sessions on the rest of %s fail over", self.name, old_span,
                            target, self.memory, overlap, old_span)
-            kept = SpanBlocks(self.ckpt, overlap, self.dtype, reuse=old_blocks)
+            kept = await loop.run_in_executor(None, functools.partial(SpanBlocks, self.ckpt, overlap, self.dtype,
+                                                                      reuse=old_blocks))  # nothing read
             self.servicer.activate(kept, overlap)
             for session in self.servicer.sessions_on(old_blocks):
                 self.servicer.sessions.close(session.id)

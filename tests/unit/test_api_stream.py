@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from client.api import Gateway, _Output
+from client.api import Gateway
+from client.api_responses import ResponseBodies
 from client.config import ApiConfig
 from client.generation import Delta
 from swarm import http
@@ -34,7 +35,7 @@ async def failing_events(error: BaseException):
 def serve_stream(gw: Gateway, error: BaseException):
     async def handler(request: web.Request) -> web.StreamResponse:
         gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2)
-        return await gw._respond(request, gen, failing_events(error), _Output("chat.completion", "m", 1),
+        return await gw._respond(request, gen, failing_events(error), ResponseBodies("chat.completion", "m", 1),
                                  stream=True, include_usage=True)
 
     app = gw.app()

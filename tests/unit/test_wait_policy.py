@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from client.api import Gateway, _Output
+from client.api import Gateway
+from client.api_responses import ResponseBodies
 from client.config import ApiConfig, ClientConfig
 from client.generation import Delta
 from client.routing import REROUTE_AFTER, Hop, Offer
@@ -211,7 +212,7 @@ def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
             yield [Delta(0, "lo", "stop")]
 
         async def handler(request):
-            return await gw._respond(request, gen, events(), _Output("text_completion", "m", 1), stream=True,
+            return await gw._respond(request, gen, events(), ResponseBodies("text_completion", "m", 1), stream=True,
                                      include_usage=False)
 
         app = gw.app()
