@@ -18,7 +18,10 @@ Placements:
   whose least-served block had the fewest peers, then the fewest in total, then the lowest start (the
   rule is re-done here to pin the spans with `--blocks`);
 - `new`: no `--blocks`; the peers measure their speed under their quota, choose and rebalance by
-  themselves (`swarm/placement.py`); the run starts once no peer has moved for 12 s.
+  themselves (`swarm/placement.py`); the run starts once no peer has claimed blocks for two
+  re-evaluation periods.
+Every peer runs with the default options but `--rebalance-interval 15` (60 by default), so that each start
+order settles in a minute or two.
 Then `swarm api` in front, and 8 streaming clients (threads, the `openai` package) each send one
 greedy 32-token request at once (`--rounds` times); aggregate tokens/s = tokens generated / wall time
 of the round, and one session's tokens/s = its tokens / its own time (median session); medians over the
@@ -62,8 +65,11 @@ MEMORY_BLOCKS = 20
 CACHE_TOKENS = 2048
 CLIENTS = 8
 TOKENS = 32
-OPTIONS = ("--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2", "--record-ttl", "10", "--check-interval",
-           "2", "--rebalance-interval", "4", "--max-sessions", "32", "--metrics-port", "0")
+# The peers' options are the defaults but for a re-evaluation every 15 s instead of 60, so that a start order
+# settles within a minute or two (what a peer spends on reading the swarm is what it spends by default).
+REBALANCE_S = 15
+OPTIONS = ("--cache-tokens", str(CACHE_TOKENS), "--rebalance-interval", str(REBALANCE_S), "--max-sessions", "32",
+           "--metrics-port", "0")
 PEER_ENV = {"OMP_NUM_THREADS": "1"}
 TOKENS_LINE = re.compile(r"^swarm_peer_tokens_total\s+(\S+)", re.M)
 
@@ -120,14 +126,14 @@ def run(path: Path, model_id: str, order: tuple[str, ...], placement: str, round
                        diagnostics=proc.text)
             net.throttle(proc, QUOTAS[name])
             net.wait_serving(proc, timeout=600)
-        if placement == "new":  # settled: no claim or move logged for 12 s
+        if placement == "new":  # settled: no claim or move logged for two re-evaluation periods
             seen = {"events": -1, "at": time.monotonic()}
 
             def quiet():
                 events = sum(net.procs[n].text().count("claiming them") for n in order)
                 if events != seen["events"]:
                     seen.update(events=events, at=time.monotonic())
-                return time.monotonic() - seen["at"] > 12
+                return time.monotonic() - seen["at"] > 2 * REBALANCE_S
 
             wait_until(quiet, 600, "the peers to settle", interval=1.0)
         spans = {n: net.procs[n].span() for n in order}

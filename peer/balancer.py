@@ -24,6 +24,7 @@ from swarm.transport import Node, describe_peer
 logger = logging.getLogger(__name__)
 
 MAX_PINGS = 8  # sole servers pinged per read at most
+QUIET_SLOWDOWN = 8  # a swarm that reads the same every time is read this many check intervals apart at most
 EMA_ALPHA = 0.3
 
 
@@ -41,6 +42,19 @@ class SwarmView:
     def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 1.0):
         self.node, self.model_id, self.num_blocks, self.ping_timeout = node, model_id, num_blocks, ping_timeout
         self.gone: dict[str, int] = {}  # peer -> the newest sequence number it had when it stopped answering
+        self.last: list[placement.Server] = []  # what the last read found
+        self.newest: dict[str, int] = {}  # peer -> its newest sequence number in the last read
+        self.quiet_reads = 0  # reads in a row that found the same peers on the same spans in the same states
+
+    async def check(self) -> list[placement.Server]:
+        """The last read's servers, less the sole servers of some block that stopped answering since: a few
+        info calls instead of a read of every block (a read costs a peer held to a tenth of a core a good
+        part of its time). A peer killed or stopped leaves its blocks unserved here within a ping."""
+        alive = [s for s in self.last if s.peer not in self.gone]
+        suspects = sorted(self._sole_servers(alive))[:MAX_PINGS]
+        if suspects:
+            await self._ping(suspects, self.newest)
+        return [s for s in alive if s.peer not in self.gone]
 
     async def read(self) -> list[placement.Server]:
         """Every other peer's servers, less the peers that stopped answering."""
@@ -56,13 +70,19 @@ class SwarmView:
                   if s.peer not in self.gone]
         suspects = sorted(self._sole_servers(served))[:MAX_PINGS]
         if suspects:
-            answers = await asyncio.gather(*(self._answers(p) for p in suspects))
-            for peer, ok in zip(suspects, answers):
-                if not ok:
-                    logger.info("peer %s does not answer: its blocks count as unserved", describe_peer(peer))
-                    self.gone[peer] = newest.get(peer, -1)
+            await self._ping(suspects, newest)
             served = [s for s in served if s.peer not in self.gone]
+        shape = {(s.peer, s.span, s.state) for s in served}
+        self.quiet_reads = self.quiet_reads + 1 if shape == {(s.peer, s.span, s.state) for s in self.last} else 0
+        self.last, self.newest = served, newest
         return served
+
+    async def _ping(self, peers: list[str], newest: dict[str, int]) -> None:
+        answers = await asyncio.gather(*(self._answers(p) for p in peers))
+        for peer, ok in zip(peers, answers):
+            if not ok:
+                logger.info("peer %s does not answer: its blocks count as unserved", describe_peer(peer))
+                self.gone[peer] = newest.get(peer, -1)
 
     def _sole_servers(self, served: list[placement.Server]) -> set[str]:
         by_block: dict[int, set[str]] = {}

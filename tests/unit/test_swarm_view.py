@@ -1,0 +1,87 @@
+"""The peer's view of the swarm between reads: a quiet swarm is read less often, and in between only the
+sole servers of some block are pinged (`peer.balancer.SwarmView`). The records and the answers to the
+pings are given here; the DHT and the calls behind them are tested in the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from peer import balancer
+from swarm.records import Announcement
+from swarm.span import Span
+
+pytestmark = pytest.mark.unit
+
+ME = "me"
+
+
+def ann(peer: str, start: int, end: int, seq: int = 1) -> Announcement:
+    return Announcement(peer=peer, model="m", start=start, end=end, state="online", throughput=1.0, prefill_tps=1.0,
+                        cache_tokens_left=100, version="0.1.0", seq=seq, issued_at=0.0)
+
+
+class Swarm:
+    """What the view's reads find and which peers answer an info call; counts both."""
+
+    def __init__(self, monkeypatch, *records: Announcement):
+        self.records, self.down, self.reads, self.pinged = list(records), set(), 0, []
+        monkeypatch.setattr(balancer.discovery, "announcements", self._announcements)
+        monkeypatch.setattr(balancer, "round_trip_ms", self._round_trip)
+
+    async def _announcements(self, node, model_id, num_blocks):
+        self.reads += 1
+        out = {b: [] for b in range(num_blocks)}
+        for a in self.records:
+            for b in a.span:
+                out[b].append(a)
+        return out
+
+    async def _round_trip(self, node, peer, timeout):
+        self.pinged.append(peer)
+        return None if peer in self.down else 1.0
+
+
+def view() -> balancer.SwarmView:
+    return balancer.SwarmView(types.SimpleNamespace(peer_id=ME), "m", 6)
+
+
+def spans(served) -> dict[str, Span]:
+    return {s.peer: s.span for s in served}
+
+
+def test_reads_of_the_same_swarm_count_as_quiet_and_a_change_resets(monkeypatch):
+    swarm, v = Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6), ann("c", 0, 6)), view()
+    for expected in (0, 1, 2):  # the first read differs from nothing
+        asyncio.run(v.read())
+        assert v.quiet_reads == expected
+    swarm.records[2] = ann("c", 0, 6, seq=2)  # re-announced, same span and state: still quiet
+    asyncio.run(v.read())
+    assert v.quiet_reads == 3
+    swarm.records[1] = ann("b", 4, 6, seq=2)  # moved
+    asyncio.run(v.read())
+    assert v.quiet_reads == 0
+
+
+def test_a_check_pings_only_sole_servers_and_reads_nothing(monkeypatch):
+    swarm, v = Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6), ann("c", 0, 3)), view()
+    asyncio.run(v.read())
+    reads, swarm.pinged = swarm.reads, []
+    served = asyncio.run(v.check())
+    assert swarm.reads == reads and swarm.pinged == ["b"]  # a and c share [0:3)
+    assert spans(served) == {"a": Span(0, 3), "b": Span(3, 6), "c": Span(0, 3)}
+
+
+def test_a_sole_server_that_stops_answering_leaves_a_hole_until_it_announces_again(monkeypatch):
+    swarm, v = Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6)), view()
+    asyncio.run(v.read())
+    swarm.down.add("b")
+    assert spans(asyncio.run(v.check())) == {"a": Span(0, 3)}
+    swarm.pinged = []
+    assert spans(asyncio.run(v.check())) == {"a": Span(0, 3)} and swarm.pinged == ["a"]  # b is not pinged again
+    swarm.down.clear()
+    assert spans(asyncio.run(v.read())) == {"a": Span(0, 3)}  # its old records still do not count
+    swarm.records[1] = ann("b", 3, 6, seq=2)  # back, announcing again
+    assert spans(asyncio.run(v.read())) == {"a": Span(0, 3), "b": Span(3, 6)}
