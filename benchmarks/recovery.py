@@ -4,7 +4,7 @@ again, and how long the running generation stalls.
 Demo model (30 blocks) on 127.0.0.1: `[0:15)` pinned on one peer, `[15:30)` pinned on the victim, and a
 third peer with room for 15 blocks and no `--blocks` (it starts on `[0:15)`; all peer options at their
 defaults). A greedy 48-token generation through the SDK; after 8 tokens the victim is SIGKILLed. The
-third peer sees the hole (it pings the only server of each block when it reads the swarm), claims
+third peer sees the hole (it pings the only server of each block at every check), claims
 `[15:30)`, drops `[0:15)` first (both do not fit), loads `[15:30)` and announces it; the generation
 waits for the blocks, replays and goes on. Reported per trial: seconds from the kill to the new peer's
 "moved" log line (blocks served again, weights loading included), the generation's longest gap between

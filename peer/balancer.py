@@ -49,11 +49,16 @@ class SwarmView:
     async def check(self) -> list[placement.Server]:
         """The last read's servers, less the sole servers of some block that stopped answering since: a few
         info calls instead of a read of every block (a read costs a peer held to a tenth of a core a good
-        part of its time). A peer killed or stopped leaves its blocks unserved here within a ping."""
+        part of its time). A peer killed or stopped leaves its blocks unserved here within a ping; one that
+        answers that it no longer serves all of them (it moved, or is leaving) makes this a whole read."""
         alive = [s for s in self.last if s.peer not in self.gone]
         suspects = sorted(self._sole_servers(alive))[:MAX_PINGS]
         if suspects:
-            await self._ping(suspects, self.newest)
+            serving = await self._ping(suspects, self.newest)
+            for s in alive:
+                if s.peer in serving and s.state == "online" and \
+                        not serving[s.peer][0] <= s.span.start < s.span.end <= serving[s.peer][1]:
+                    return await self.read()
         return [s for s in alive if s.peer not in self.gone]
 
     async def read(self) -> list[placement.Server]:
@@ -77,12 +82,14 @@ class SwarmView:
         self.last, self.newest = served, newest
         return served
 
-    async def _ping(self, peers: list[str], newest: dict[str, int]) -> None:
-        answers = await asyncio.gather(*(self._answers(p) for p in peers))
-        for peer, ok in zip(peers, answers):
-            if not ok:
+    async def _ping(self, peers: list[str], newest: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Asks each of `peers` what it serves: those that do not answer are gone; the spans of the rest."""
+        answers = await asyncio.gather(*(self._serving(p) for p in peers))
+        for peer, span in zip(peers, answers):
+            if span is None:
                 logger.info("peer %s does not answer: its blocks count as unserved", describe_peer(peer))
                 self.gone[peer] = newest.get(peer, -1)
+        return {p: span for p, span in zip(peers, answers) if span is not None}
 
     def _sole_servers(self, served: list[placement.Server]) -> set[str]:
         by_block: dict[int, set[str]] = {}
@@ -92,8 +99,15 @@ class SwarmView:
                     by_block.setdefault(b, set()).add(s.peer)
         return {next(iter(peers)) for peers in by_block.values() if len(peers) == 1}
 
-    async def _answers(self, peer: str) -> bool:
-        return await round_trip_ms(self.node, peer, self.ping_timeout) is not None
+    async def _serving(self, peer: str) -> tuple[int, int] | None:
+        """The blocks [start, end) `peer` says it serves now ((0, 0) if its answer makes no sense); None if it
+        does not answer within `ping_timeout`."""
+        try:
+            fields = await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
+        except (asyncio.TimeoutError, SwarmError, OSError):
+            return None
+        start, end = fields.get("start"), fields.get("end")
+        return (start, end) if type(start) is int and type(end) is int else (0, 0)
 
 
 class Links:

@@ -57,8 +57,9 @@ class PeerConfig:
                              "when blocks have no peer (--no-rebalance: keep the first span; --blocks never moves)")
     rebalance_interval: float = option(60.0, help="seconds between re-evaluations of the served span (jittered by "
                                        "25%%)")
-    check_interval: float = option(3.0, help="seconds between reads of the swarm looking for blocks that no peer "
-                                   "serves (a hole is filled at once)")
+    check_interval: float = option(3.0, help="seconds between looks for blocks that no peer serves (a hole is "
+                                   "filled at once): the sole servers of a block are pinged, the swarm read "
+                                   "up to 8 looks apart while it does not change")
     drain_timeout: float = option(120.0, help="seconds a moving peer keeps serving the sessions open on its old "
                                   "span; then they are closed and their clients fail over")
     capacity_cache: Path | None = option(None, help="JSON file caching this machine's measured block cost per model, "

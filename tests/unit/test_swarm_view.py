@@ -10,6 +10,7 @@ import types
 import pytest
 
 from peer import balancer
+from swarm.errors import ConnectionLost
 from swarm.records import Announcement
 from swarm.span import Span
 
@@ -29,7 +30,7 @@ class Swarm:
     def __init__(self, monkeypatch, *records: Announcement):
         self.records, self.down, self.reads, self.pinged = list(records), set(), 0, []
         monkeypatch.setattr(balancer.discovery, "announcements", self._announcements)
-        monkeypatch.setattr(balancer, "round_trip_ms", self._round_trip)
+        monkeypatch.setattr(balancer.calls, "info", self._info)
 
     async def _announcements(self, node, model_id, num_blocks):
         self.reads += 1
@@ -39,9 +40,12 @@ class Swarm:
                 out[b].append(a)
         return out
 
-    async def _round_trip(self, node, peer, timeout):
+    async def _info(self, node, peer, timeout):
         self.pinged.append(peer)
-        return None if peer in self.down else 1.0
+        if peer in self.down:
+            raise ConnectionLost(f"{peer} is down")
+        mine = max((a for a in self.records if a.peer == peer), key=lambda a: a.seq)  # what it serves now
+        return {"peer": peer, "start": mine.start, "end": mine.end}
 
 
 def view() -> balancer.SwarmView:
@@ -85,3 +89,13 @@ def test_a_sole_server_that_stops_answering_leaves_a_hole_until_it_announces_aga
     assert spans(asyncio.run(v.read())) == {"a": Span(0, 3)}  # its old records still do not count
     swarm.records[1] = ann("b", 3, 6, seq=2)  # back, announcing again
     assert spans(asyncio.run(v.read())) == {"a": Span(0, 3), "b": Span(3, 6)}
+
+
+def test_a_sole_server_that_moved_makes_the_check_a_read(monkeypatch):
+    swarm, v = Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6), ann("c", 0, 3)), view()
+    asyncio.run(v.read())
+    swarm.records[1] = ann("b", 0, 3, seq=2)  # b left [3:6) (still alive): only a read shows the hole
+    reads = swarm.reads
+    served = asyncio.run(v.check())
+    assert swarm.reads == reads + 1 and spans(served) == {"a": Span(0, 3), "b": Span(0, 3), "c": Span(0, 3)}
+    assert v.quiet_reads == 0
