@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 
@@ -45,6 +46,16 @@ class SwarmView:
         self.last: list[placement.Server] = []  # what the last read found
         self.newest: dict[str, int] = {}  # peer -> its newest sequence number in the last read
         self.quiet_reads = 0  # reads in a row that found the same peers on the same spans in the same states
+        self.read_at = -math.inf  # when the last read was (monotonic)
+
+    def read_due(self, now: float, check_interval: float) -> bool:
+        """Whether a check should read the whole swarm: every check while it changes, up to `QUIET_SLOWDOWN`
+        checks apart while it reads the same."""
+        return now >= self.read_at + check_interval * min(2 ** min(self.quiet_reads, 8), QUIET_SLOWDOWN) - 1e-3
+
+    def stale(self) -> None:
+        """Read the whole swarm at the next check (a hole showed)."""
+        self.read_at, self.quiet_reads = -math.inf, 0
 
     async def check(self) -> list[placement.Server]:
         """The last read's servers, less the sole servers of some block that stopped answering since: a few
@@ -79,7 +90,7 @@ class SwarmView:
             served = [s for s in served if s.peer not in self.gone]
         shape = {(s.peer, s.span, s.state) for s in served}
         self.quiet_reads = self.quiet_reads + 1 if shape == {(s.peer, s.span, s.state) for s in self.last} else 0
-        self.last, self.newest = served, newest
+        self.last, self.newest, self.read_at = served, newest, time.monotonic()
         return served
 
     async def _ping(self, peers: list[str], newest: dict[str, int]) -> dict[str, tuple[int, int]]:

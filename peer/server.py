@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from peer.announcer import Announcer, Figures
-from peer.balancer import QUIET_SLOWDOWN, Links, SwarmView, jittered
+from peer.balancer import Links, SwarmView, jittered
 from peer.capacity import BlockCost, Capacity, CapacityCache, measure_block
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
@@ -220,7 +220,6 @@ class Peer:
         next_announce = now + config.announce_interval
         next_check = now + min(config.check_interval, config.rebalance_interval)
         next_rebalance = now + jittered(config.rebalance_interval, self.rng)
-        next_read = now  # the whole swarm is read this often, less often while it reads the same
         while not stop.is_set():
             wake = min(next_announce, next_check if self.movable else math.inf, self._drain_deadline())
             with contextlib.suppress(asyncio.TimeoutError):
@@ -238,14 +237,13 @@ class Peer:
                     await self.announce("online")
                 if self.movable and now >= next_check:
                     next_check = now + config.check_interval
-                    if now >= next_read or now >= next_rebalance:
+                    if self.view.read_due(now, config.check_interval) or now >= next_rebalance:
                         served = await self.view.read()
-                        next_read = now + config.check_interval * min(2 ** self.view.quiet_reads, QUIET_SLOWDOWN)
                     else:  # a quiet swarm: only its sole servers are pinged
                         served = await self.view.check()
                     hole = placement.holes(placement.capacities(self.ckpt.num_blocks, served + [self._me()]))
                     if hole:
-                        next_read = now  # read it all at the next check
+                        self.view.stale()
                     if hole or now >= next_rebalance:
                         next_rebalance = now + jittered(config.rebalance_interval, self.rng)
                         await self.rebalance(served)

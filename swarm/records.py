@@ -214,7 +214,8 @@ def open_envelope(value: bytes) -> tuple[bytes, bytes]:
 def _signature_ok(peer: str, signature: bytes, message: bytes) -> bool:
     """`identity.verify`, remembered: a DHT read returns the same record from every node that stores it, and
     every read until it is re-announced; each is checked once (an Ed25519 check costs ~0.15 ms of CPU, which
-    a peer held to a tenth of a core cannot spare 200 times a read). At most 8192 entries of ~0.5 KB."""
+    a peer held to a tenth of a core cannot spare 200 times a read). At most 8192 entries of a few hundred
+    bytes each (a record is at most `MAX_VALUE_BYTES`)."""
     return verify_signature(peer, signature, message)
 
 

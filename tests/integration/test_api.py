@@ -411,16 +411,23 @@ def test_slow_header_flood_does_not_starve_a_real_request(api, oai, model_id):
     result: dict[str, object] = {}
     flood = threading.Thread(target=lambda: result.update(flood=asyncio.run(_slow_headers(host, int(port), 300, 8))))
     flood.start()
+    fresh: list[socket.socket] = []
     try:
-        time.sleep(2)  # the flood is in place: 300 connections against a cap of 128, none timed out (3 s)
+        time.sleep(2)  # the flood is in place: 300 connections against a cap of 128
         evicted = _evicted(api)
+        # A fresh cap's worth right before the request, so that none has reached its header deadline (3 s)
+        # however slow this machine is: the request gets in only by evicting one. A connection that cannot
+        # evict gets 503, an error here. (No bound on the answer's time: that is the machine's load.)
+        for _ in range(128):
+            fresh.append(socket.create_connection((host, int(port)), timeout=5))
+            fresh[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         answer = oai.completions.create(model=model_id, prompt=PROMPT, max_tokens=4, temperature=0)
         after = _evicted(api)
     finally:
+        for s in fresh:
+            s.close()
         flood.join(60)
-    # At the cap a connection that cannot evict a waiting one gets 503 (an error here); the request got in
-    # by evicting a slow one. (No timing: how long the answer takes depends on the machine's load.)
-    assert answer.choices[0].text == " Paris.\n\n" and after >= evicted + 1
+    assert "Paris" in answer.choices[0].text and after >= evicted + 1
     closed, opened = result["flood"]
     assert opened >= 250 and closed == opened  # every slow connection was evicted or timed out within 8 s
     dropped = scrape(api)["swarm_api_connections_dropped"]
@@ -452,7 +459,7 @@ def test_slow_body_flood_does_not_starve_a_real_request(api, oai, model_id):
     finally:
         for s in socks:
             s.close()
-    assert answer.choices[0].text == " Paris.\n\n" and after >= evicted + 1
+    assert "Paris" in answer.choices[0].text and after >= evicted + 1
 
 
 def _evicted(api: str) -> float:

@@ -99,3 +99,16 @@ def test_a_sole_server_that_moved_makes_the_check_a_read(monkeypatch):
     served = asyncio.run(v.check())
     assert swarm.reads == reads + 1 and spans(served) == {"a": Span(0, 3), "b": Span(0, 3), "c": Span(0, 3)}
     assert v.quiet_reads == 0
+
+
+def test_reads_of_a_quiet_swarm_come_further_apart_up_to_a_limit(monkeypatch):
+    Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6))
+    v = view()
+    assert v.read_due(0.0, 3.0)  # never read
+    gaps = []
+    for _ in range(6):
+        asyncio.run(v.read())
+        gaps.append(next(g for g in range(1, 100) if v.read_due(v.read_at + 3.0 * g, 3.0)))
+    assert gaps == [1, 2, 4, 8, 8, 8]  # in check intervals: doubling while quiet, then capped
+    v.stale()  # a hole showed
+    assert v.read_due(v.read_at, 3.0) and v.quiet_reads == 0
