@@ -40,6 +40,7 @@ import itertools
 import json
 import math
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--quotas", type=float, nargs=3, default=list(QUOTAS.values()),
                         help="CPU shares of one core of the fast, mid and slow peers")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped"))  # leave no peer running, no cgroup behind
     QUOTAS.update(zip(("fast", "mid", "slow"), args.quotas))
     if not cpu_quota_supported():
         sys.exit("needs root and the cgroup v1 cpu controller (/sys/fs/cgroup/cpu)")

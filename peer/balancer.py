@@ -19,13 +19,14 @@ import random
 import time
 
 from swarm import calls, discovery, placement, records
-from swarm.errors import SwarmError
+from swarm.errors import ConnectionLost, StepTimeout, SwarmError
 from swarm.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
 
 MAX_PINGS = 8  # sole servers pinged per read at most
 QUIET_SLOWDOWN = 8  # a swarm that reads the same every time is read this many check intervals apart at most
+SILENT_PINGS = 3  # pings in a row a peer may leave unanswered (busy, or frozen) before its blocks count as unserved
 EMA_ALPHA = 0.3
 
 
@@ -40,9 +41,10 @@ async def round_trip_ms(node: Node, peer: str, timeout: float) -> float | None:
 
 
 class SwarmView:
-    def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 1.0):
+    def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 2.0):
         self.node, self.model_id, self.num_blocks, self.ping_timeout = node, model_id, num_blocks, ping_timeout
         self.gone: dict[str, int] = {}  # peer -> the newest sequence number it had when it stopped answering
+        self.silent: dict[str, int] = {}  # peer -> pings in a row it left unanswered within `ping_timeout`
         self.last: list[placement.Server] = []  # what the last read found
         self.newest: dict[str, int] = {}  # peer -> its newest sequence number in the last read
         self.quiet_reads = 0  # reads in a row that found the same peers on the same spans in the same states
@@ -67,7 +69,7 @@ class SwarmView:
         if suspects:
             serving = await self._ping(suspects, self.newest)
             for s in alive:
-                if s.peer in serving and s.state == "online" and \
+                if serving.get(s.peer) is not None and s.state == "online" and \
                         not serving[s.peer][0] <= s.span.start < s.span.end <= serving[s.peer][1]:
                     return await self.read()
         return [s for s in alive if s.peer not in self.gone]
@@ -93,14 +95,25 @@ class SwarmView:
         self.last, self.newest, self.read_at = served, newest, time.monotonic()
         return served
 
-    async def _ping(self, peers: list[str], newest: dict[str, int]) -> dict[str, tuple[int, int]]:
-        """Asks each of `peers` what it serves: those that do not answer are gone; the spans of the rest."""
+    async def _ping(self, peers: list[str], newest: dict[str, int]) -> dict[str, tuple[int, int] | None]:
+        """Asks each of `peers` what it serves. One that cannot be reached is gone at once (killed: nothing
+        listens); one that stays silent (busy under a CPU quota, or frozen) only after `SILENT_PINGS` pings
+        in a row. Returns the blocks [start, end) each peer that answered says it serves (None if it
+        answered with an error)."""
         answers = await asyncio.gather(*(self._serving(p) for p in peers))
-        for peer, span in zip(peers, answers):
-            if span is None:
+        out = {}
+        for peer, answer in zip(peers, answers):
+            if answer == "silent":
+                self.silent[peer] = self.silent.get(peer, 0) + 1
+            else:
+                self.silent.pop(peer, None)
+            if answer == "lost" or self.silent.get(peer, 0) >= SILENT_PINGS:
                 logger.info("peer %s does not answer: its blocks count as unserved", describe_peer(peer))
                 self.gone[peer] = newest.get(peer, -1)
-        return {p: span for p, span in zip(peers, answers) if span is not None}
+                self.silent.pop(peer, None)
+            elif answer != "silent":
+                out[peer] = answer
+        return out
 
     def _sole_servers(self, served: list[placement.Server]) -> set[str]:
         by_block: dict[int, set[str]] = {}
@@ -110,12 +123,17 @@ class SwarmView:
                     by_block.setdefault(b, set()).add(s.peer)
         return {next(iter(peers)) for peers in by_block.values() if len(peers) == 1}
 
-    async def _serving(self, peer: str) -> tuple[int, int] | None:
-        """The blocks [start, end) `peer` says it serves now ((0, 0) if its answer makes no sense); None if it
-        does not answer within `ping_timeout`."""
+    async def _serving(self, peer: str) -> tuple[int, int] | None | str:
+        """The blocks [start, end) `peer` says it serves now ((0, 0) if its answer makes no sense, None if it
+        answered with an error); "lost" if it cannot be reached, "silent" if no answer came within
+        `ping_timeout`."""
         try:
             fields = await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
-        except (asyncio.TimeoutError, SwarmError, OSError):
+        except (asyncio.TimeoutError, StepTimeout):
+            return "silent"
+        except (ConnectionLost, OSError):
+            return "lost"
+        except SwarmError:  # it answered, with an error: alive
             return None
         start, end = fields.get("start"), fields.get("end")
         return (start, end) if type(start) is int and type(end) is int else (0, 0)

@@ -72,6 +72,7 @@ class Servicer:
                  sessions: SessionTable, metrics: PeerMetrics):
         self.config, self.served, self.blocks, self.runtime, self.sessions = config, served, blocks, runtime, sessions
         self.metrics = metrics
+        self.hidden_size = blocks.hidden_size  # the model's: the same whatever span is served, also mid-move
         self.errors: dict[str, int] = {}
         self.pusher: Pusher | None = None  # set by the server once its node runs
         self.pushes = {"received": 0, "dropped": 0, "stale": 0, "rejected": 0}
@@ -113,7 +114,7 @@ class Servicer:
         hidden = msg.tensors[0]
         if hidden.dtype not in WIRE_FLOATS or (dtype is not None and hidden.dtype != dtype):
             raise BadRequest(f"hidden states must be {dtype or ' or '.join(WIRE_FLOATS)}, got {hidden.dtype}")
-        size = self.blocks.hidden_size
+        size = self.hidden_size
         if len(hidden.shape) != 3 or hidden.shape[2] != size or not 1 <= hidden.shape[0] <= batch_max \
                 or hidden.shape[1] < 1:
             raise BadRequest(f"hidden states must be [batch <= {batch_max}, tokens >= 1, {size}], "
@@ -451,7 +452,7 @@ class Servicer:
     def info(self) -> dict[str, Any]:
         return {"peer": self.served.peer, "model": self.served.model_id, "start": self.served.span.start,
                 "end": self.served.span.end, "version": self.served.version, "dtype": self.config.dtype,
-                "hidden_size": self.blocks.hidden_size, "sessions": len(self.sessions.sessions),
+                "hidden_size": self.hidden_size, "sessions": len(self.sessions.sessions),
                 "max_sessions": self.config.max_sessions, "cache_tokens": self.sessions.cache_tokens,
                 "cache_tokens_left": self.sessions.tokens_left, "max_length": self.config.max_length,
                 "max_batch": self.config.max_batch, "queued": self.runtime.queued,

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from peer import balancer
-from swarm.errors import ConnectionLost
+from swarm.errors import ConnectionLost, StepTimeout
 from swarm.records import Announcement
 from swarm.span import Span
 
@@ -28,7 +28,7 @@ class Swarm:
     """What the view's reads find and which peers answer an info call; counts both."""
 
     def __init__(self, monkeypatch, *records: Announcement):
-        self.records, self.down, self.reads, self.pinged = list(records), set(), 0, []
+        self.records, self.down, self.silent, self.reads, self.pinged = list(records), set(), set(), 0, []
         monkeypatch.setattr(balancer.discovery, "announcements", self._announcements)
         monkeypatch.setattr(balancer.calls, "info", self._info)
 
@@ -44,6 +44,8 @@ class Swarm:
         self.pinged.append(peer)
         if peer in self.down:
             raise ConnectionLost(f"{peer} is down")
+        if peer in self.silent:
+            raise StepTimeout(f"{peer} sent no reply")
         mine = max((a for a in self.records if a.peer == peer), key=lambda a: a.seq)  # what it serves now
         return {"peer": peer, "start": mine.start, "end": mine.end}
 
@@ -112,3 +114,26 @@ def test_reads_of_a_quiet_swarm_come_further_apart_up_to_a_limit(monkeypatch):
     assert gaps == [1, 2, 4, 8, 8, 8]  # in check intervals: doubling while quiet, then capped
     v.stale()  # a hole showed
     assert v.read_due(v.read_at, 3.0) and v.quiet_reads == 0
+
+
+def test_a_silent_sole_server_is_gone_only_after_several_pings_a_lost_one_at_once(monkeypatch):
+    swarm, v = Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6)), view()
+    asyncio.run(v.read())
+    swarm.silent.add("b")  # busy under its quota, or frozen: its info call times out
+    for _ in range(balancer.SILENT_PINGS - 1):
+        assert spans(asyncio.run(v.check())) == {"a": Span(0, 3), "b": Span(3, 6)}
+    assert spans(asyncio.run(v.check())) == {"a": Span(0, 3)}
+    swarm.silent.clear()
+    swarm.down.add("a")  # killed: nothing listens
+    assert spans(asyncio.run(v.check())) == {}
+
+
+def test_an_answer_resets_the_silence(monkeypatch):
+    swarm, v = Swarm(monkeypatch, ann("b", 3, 6)), view()
+    asyncio.run(v.read())
+    for _ in range(3):
+        swarm.silent.add("b")
+        for _ in range(balancer.SILENT_PINGS - 1):
+            asyncio.run(v.check())
+        swarm.silent.clear()
+        assert spans(asyncio.run(v.check())) == {"b": Span(3, 6)}
