@@ -95,7 +95,7 @@ def test_unequal_peers_in_any_start_order(speeds, memory):
     assert bottleneck(caps) >= 0.2 - 1e-9
     assert bottleneck(caps) >= 0.85 * placement.ideal(30, speeds)
     stage = placement.stage_time([(s, memory) for s in speeds], 30)
-    shares = {s.peer: math.ceil(speeds[int(s.peer[1:])] * stage - 1e-9) for s in swarm}
+    shares = {s.peer: math.ceil(speeds[int(s.peer[1:])] * stage - 1e-9) for s in swarm}  # at least the share
     assert all(len(s.span) <= max(shares[s.peer] + 1, shares[s.peer] * (1 + placement.MARGIN)) for s in swarm)
     if memory == 20:
         length = {speeds[int(s.peer[1:])]: len(s.span) for s in swarm}
@@ -103,10 +103,10 @@ def test_unequal_peers_in_any_start_order(speeds, memory):
 
 
 def test_with_room_for_everything_spans_follow_speed():
-    """Three peers that can each hold the model: one copy in proportion to speed (15, 10 and 5 blocks at a
-    stage time of 5 s; the shares are 18, 9 and 5 at 30/7 s), not full replicas next to a slow one."""
+    """Three peers that can each hold the model: one copy in proportion to speed (16, 10 and 4 blocks at a
+    stage time of 5 s at most; the shares are 18, 8 and 4 at 30/7 s), not full replicas next to a slow one."""
     swarm = join_all((4.0, 2.0, 1.0), 30, 30)
-    assert [len(s.span) for s in swarm] == [15, 10, 5]
+    assert [len(s.span) for s in swarm] == [16, 10, 4]
     assert bottleneck(capacities(30, swarm)) == pytest.approx(0.2)
     assert bottleneck(capacities(30, swarm)) >= 0.85 * placement.ideal(30, (4.0, 2.0, 1.0))
 
@@ -238,3 +238,13 @@ def test_clients_route_by_each_peers_newest_online_span():
     assert placement.online(left) == {}
     backed_off = by_block(ann("b", 0, 3, seq=1), ann("b", 3, 6, state="offline", seq=3))  # a claim taken back
     assert placement.online(backed_off)["b"].span == Span(0, 3)
+
+
+def test_whole_shares_keep_the_slowest_stage_quickest():
+    """Shares of 17.1, 8.6 and 4.3 blocks: rounded down to 17, 8 and 4, and the block left over goes where one
+    more costs least (the fast peer: 18 blocks at 4 is 4.5 s, the same as 9 at 2, less than 5 at 1), not 18,
+    9 and 5 (rounded up: 32 blocks, and the slow hop at 5 s)."""
+    assert placement.whole_shares([(4.0, 30), (2.0, 30), (1.0, 30)], 30) == [18, 8, 4]
+    assert placement.whole_shares([(1.0, 30), (2.0, 30), (4.0, 30)], 30) == [4, 8, 18]
+    assert placement.whole_shares([(4.0, 3), (2.0, 30), (1.0, 30)], 30) == [3, 18, 9]  # the fast one is full
+    assert sum(placement.whole_shares([(float(s), 20) for s in range(1, 40)], 80)) == 6 * 80  # whole copies
