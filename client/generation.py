@@ -176,7 +176,7 @@ class Generation:
         ids = torch.tensor([self.prompt] * s.n, dtype=torch.int64)
         session = self.session = InferenceSession(self.client, len(self.prompt) + s.max_tokens)
         try:
-            hidden = await self._in_pool(self.head.embed, ids)
+            hidden = await self._in_pool(self.head.embed, ids, 0)
             for produced in range(s.max_tokens):
                 out = await session.step(hidden)
                 tokens = await self._in_pool(self._next_tokens, sampler, out[:, -1])
@@ -185,7 +185,8 @@ class Generation:
                 yield self._advance(tokens, last=produced == s.max_tokens - 1)
                 if all(c.finish_reason for c in self.choices):
                     return
-                hidden = await self._in_pool(self.head.embed, torch.tensor(tokens, dtype=torch.int64)[:, None])
+                hidden = await self._in_pool(self.head.embed, torch.tensor(tokens, dtype=torch.int64)[:, None],
+                                              len(self.prompt) + produced)
         finally:
             self.failovers = list(session.failovers)
             # closed in a task of its own: it completes even if this one is being cancelled, and the

@@ -48,7 +48,7 @@ class LocalSession:
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `input_ids` placed at `position` (default: after everything seen so far)."""
         position = self.position if position is None else position
-        hidden = self.chain.head.embed(input_ids)
+        hidden = self.chain.head.embed(input_ids, position, attention_mask)
         for blocks, cache in zip(self.chain.blocks, self.caches):
             hidden = blocks(hidden, cache, position, attention_mask=attention_mask)
         return self.chain.head.logits(hidden)

@@ -80,7 +80,7 @@ class RemoteSession:
             attention_mask = None
         keep = self._common_prefix(input_ids, attention_mask)
         keep = min(keep, input_ids.shape[1] - 1)  # at least one token runs, to give logits
-        hidden = self.model.head.embed(input_ids[:, keep:])
+        hidden = self.model.head.embed(input_ids[:, keep:], keep, attention_mask)
         try:
             out = self.model.connection.run(self.session.step(hidden, keep, attention_mask))
         except BaseException:
@@ -190,8 +190,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise BadRequest("pass input_ids: inputs_embeds are not supported")
         if self.active_session is not None:
             return CausalLMOutputWithPast(logits=self.active_session.feed(input_ids, attention_mask))
-        hidden = self.head.embed(input_ids)
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
+        hidden = self.head.embed(input_ids, 0, mask)
         out = self.connection.run(self.connection.client.forward(hidden, mask))
         return CausalLMOutputWithPast(logits=self.head.logits(out))
 

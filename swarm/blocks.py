@@ -20,47 +20,64 @@ Invariants:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.cache_utils import DynamicLayer
 
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
+from swarm.frame import LayerSlot, Plan, build
+from swarm.head import position_ids_for
 from swarm.span import Span
 
 logger = logging.getLogger(__name__)
 
-MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
 class SpanCache:
-    """One session's attention cache for one span: keys and values of every past token."""
+    """One session's attention cache for one span: keys and values of every past token.
 
-    def __init__(self, span: Span, batch_size: int, max_length: int):
+    The cache has an entry for every block of the model, as the family's forward expects: the span's
+    blocks have their own; every other entry is the first span block's, so that whatever the
+    family asks of "the cache" (its length, mask sizes) is the span's."""
+
+    def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None):
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
-        self.kv = DynamicCache()  # layers are created on first use, at their global index
+        self.kv = span_kv(span, num_blocks or span.end)
+
+    @property
+    def own(self) -> list:
+        return self.kv.layers[self.span.start:self.span.end]
 
     @property
     def length(self) -> int:
-        return self.kv.get_seq_length(self.span.start)
+        return self.kv.layers[self.span.start].get_seq_length()
 
     def rollback(self, position: int) -> None:
         """Forget every token at `position` and after."""
         if not 0 <= position <= self.length:
             raise BadRequest(f"cannot roll the cache of span {self.span} back to {position}: it holds {self.length}")
-        if position < self.length:
-            self.kv.crop(position - self.length)  # a negative count drops that many tokens from the end
+        drop = self.length - position
+        if drop:
+            for layer in self.own:
+                layer.crop(-drop)  # a negative count drops that many tokens from the end
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.kv.layers
+        return sum(t.numel() * t.element_size() for layer in self.own
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def span_kv(span: Span, num_blocks: int, layers: dict | None = None) -> DynamicCache:
+    """A cache with an entry per block: `layers` (default: fresh ones) for the span's blocks, the first of
+    them everywhere else."""
+    own = layers or {i: DynamicLayer() for i in span}
+    kv = DynamicCache()
+    kv.layers = [own.get(i, own[span.start]) for i in range(num_blocks)]
+    return kv
 
 
 class SpanBlocks(torch.nn.Module):
@@ -82,40 +99,40 @@ class SpanBlocks(torch.nn.Module):
         shared = {i: reuse.layers[i - reuse.span.start] for i in span
                   if reuse is not None and reuse.span.start <= i < reuse.span.end}
         self.model_type = ckpt.model_type
+        self.num_blocks = ckpt.num_blocks
         self.layer_types = ckpt.layout.layer_types[span.start:span.end]
+        self.embed_dim = ckpt.layout.embed_dim
 
         started = time.monotonic()
-        skel = ckpt.skeleton(self.dtype)
-        self.config = skel.config  # carries the attention implementation the masks must match
-        prefix = ckpt.layout.base_prefix
-        names = [n for i in span if i not in shared for n in ckpt.tensor_names(f"{prefix}.layers.{i}.")]
-        if len(shared) < len(span):
-            ckpt.load_into(skel, names, self.dtype)
-        base = getattr(skel, prefix)
-        self.layers = torch.nn.ModuleList(shared.get(i, base.layers[i]) for i in span)
-        for i, layer in zip(span, self.layers):
-            left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.device.type == "meta"]
-            if left:
-                raise CheckpointError(f"{ckpt.path}: block {i} is missing tensors {left[:4]} (checkpoint incomplete?)")
-        self.layers.to(self.device)
-        # Rotary tables are computed, not stored: build the family's own module for real.
-        self.rotary = type(base.rotary_emb)(config=self.config).to(self.device)
-        self._rotary_takes_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.frame, layers = build(ckpt, self.dtype, self.device, blocks=list(span), modules=ckpt.layout.peer_modules,
+                                   shared=shared)
+        self.config = ckpt.text_config
+        self._hidden_size = ckpt.hidden_size
+        self.layers = torch.nn.ModuleList(layers[i] for i in span)
+        self.outside = self.frame.model  # not a submodule: its only weights here are the layers'
+        self._entries: dict[Span, torch.nn.ModuleList] = {}
+        self._slots = [e for e in self.frame.entries]
         self.requires_grad_(False)
         self.eval()
         logger.info("loaded blocks %s of %s (%s, %.1fM parameters%s) in %.1f s", span, ckpt.model_type,
                     str(self.dtype).removeprefix("torch."), self.num_parameters() / 1e6,
                     f"; {len(shared)} blocks shared with {reuse.span}" if shared else "", time.monotonic() - started)
 
+    def __setattr__(self, name, value):
+        if name == "outside":  # the family's model is driven, not owned: keep it out of the module tree
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     @property
     def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
+        return self._hidden_size
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self, batch_size: int, max_length: int, span: Span | None = None) -> SpanCache:
-        return SpanCache(span or self.span, batch_size, max_length)
+        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,
@@ -175,11 +192,11 @@ class SpanBlocks(torch.nn.Module):
             r += size
         position_ids = torch.cat(position_ids)
 
-        kv = DynamicCache()
+        temp = {i: DynamicLayer() for i in run}
         if longest:
             for i in run:
-                keys, values = self._padded(items, lengths, sizes, longest, i)
-                kv.update(keys, values, i)
+                temp[i].update(*self._padded(items, lengths, sizes, longest, i))
+        kv = span_kv(run, self.num_blocks, temp)
         out = self._run(run, hidden, kv, position_ids, mask)
 
         # Only now, with the forward done, does any session cache change: each gets its rows' new token.
@@ -211,32 +228,32 @@ class SpanBlocks(torch.nn.Module):
 
     def _run(self, run: Span, hidden: torch.Tensor, kv: DynamicCache | None, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The blocks of `run` over `hidden`, with masks and rotary tables built as the family's model does."""
-        offset = run.start - self.span.start
-        layers = self.layers[offset:offset + len(run)]
-        kinds = self.layer_types[offset:offset + len(run)]
+        """The blocks of `run` over `hidden`, inside the family's own forward: it builds the masks, position
+        embeddings and whatever else its layers take, exactly as for the whole model."""
+        entries = self._entries.get(run)
+        if entries is None:
+            layers = dict(zip(self.span, self.layers))
+            entries = torch.nn.ModuleList(layers[i] if i in run else self._slot(i) for i in range(self.num_blocks))
+            self._entries[run] = entries
+        batch, tokens, _ = hidden.shape
+        plan = Plan(enter=entries[run.start], hidden=hidden, leave=entries[run.end - 1])
+        return self.frame.call(
+            plan, entries=entries,
+            inputs_embeds=torch.zeros(batch, tokens, self.embed_dim, dtype=self.dtype, device=self.device),
+            attention_mask=None if attention_mask is None else attention_mask.long(), position_ids=position_ids,
+            cache=kv, use_cache=kv is not None)
 
-        masks, rotary = {}, {}
-        for kind in dict.fromkeys(kinds):
-            first = run.start + kinds.index(kind)
-            masks[kind] = MASK_FUNCTIONS[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                               cache=kv, position_ids=position_ids, layer_idx=first)
-            args = (hidden, position_ids, kind) if self._rotary_takes_kind else (hidden, position_ids)
-            rotary[kind] = self.rotary(*args)
-
-        for layer, kind in zip(layers, kinds):
-            out = layer(hidden, attention_mask=masks[kind], position_embeddings=rotary[kind],
-                        position_ids=position_ids, cache=kv, use_cache=kv is not None)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+    def _slot(self, i: int) -> LayerSlot:
+        entry = self._slots[i]
+        if isinstance(entry, LayerSlot):
+            return entry
+        slot = LayerSlot(i, entry)  # a served block left out of this call: it passes through
+        slot.returns_tensor = self.frame.returns_tensor
+        self._slots[i] = slot
+        return slot
 
     def _position_ids(self, batch: int, new_tokens: int, position: int, mask: torch.Tensor | None) -> torch.Tensor:
-        if mask is None:
-            return torch.arange(position, position + new_tokens, device=self.device).unsqueeze(0).expand(batch, -1)
-        # As transformers' generate does for left-padded batches: count only real tokens.
-        ids = mask.long().cumsum(-1) - 1
-        ids = ids.masked_fill(mask == 0, 1)
-        return ids[:, position:position + new_tokens].to(self.device)
+        return position_ids_for(batch, new_tokens, position, mask, self.device)
 
     def check_step(self, hidden: torch.Tensor, cache: SpanCache | None, position: int,
                    mask: torch.Tensor | None) -> None:

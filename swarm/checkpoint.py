@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -24,7 +25,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import convert_and_load_state_dict_in_model
+from transformers.core_model_loading import (WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model,
+                                             rename_source_key)
 from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
@@ -49,10 +51,17 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """Where a family keeps its parts, read off its skeleton."""
+    """Where a family keeps its parts and what its forward calls, read off a skeleton by a probe run."""
 
-    base_prefix: str  # attribute and tensor-name prefix of the base model, e.g. "model"
+    layers_path: str  # attribute path of the decoder layer list in the causal-LM model, e.g. "model.layers"
     layer_types: tuple[str, ...]  # attention kind of every block, in ATTENTION_KINDS
+    returns_tensor: bool  # the family's loop takes a layer's output as is (else it takes `output[0]`)
+    embed_dim: int  # width of the token embeddings (before any projection into the layers)
+    head_modules: frozenset[str]  # modules the client's head calls: embedding, final norm, LM head, ...
+    peer_modules: frozenset[str]  # modules a span's forward calls outside its layers (rotary, ...)
+
+    def block_prefix(self, block: int) -> str:
+        return f"{self.layers_path}.{block}."
 
 
 class Checkpoint:
@@ -64,13 +73,21 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has no config.json: not a transformers checkpoint directory")
         self.config: PretrainedConfig = AutoConfig.from_pretrained(self.path)
         self.model_type: str = self.config.model_type
+        # Composite checkpoints (a language model with vision or audio towers) are served as their
+        # language model: blocks, widths and layer kinds are the text model's.
+        self.text_config: PretrainedConfig = self.config.get_text_config(decoder=True)
         check_supported(self.config)
         self._files = self._index_tensors()
+        self._keys: dict[str, str] | None = None
         self.layout = self._read_layout()
 
     @property
     def num_blocks(self) -> int:
-        return int(self.config.num_hidden_layers)
+        return int(self.text_config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
 
     def _index_tensors(self) -> dict[str, Path]:
         """Map every tensor name to the safetensors file that holds it (single file or sharded)."""
@@ -88,25 +105,68 @@ class Checkpoint:
             return {name: single for name in f.keys()}
 
     def skeleton(self, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-        """The family's CausalLM built on the meta device: classes and names, no memory."""
+        """The family's CausalLM built on the meta device: classes and names, no memory. The attention
+        implementation is what transformers picks for the class (sdpa where it has it, else eager)."""
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa", dtype=dtype)
+            return AutoModelForCausalLM.from_config(self.config, dtype=dtype)
 
     def _read_layout(self) -> ModelLayout:
+        """Find the layer list and run the family's forward around empty slots, before any weight loads:
+        a family whose forward cannot be split at its layers is refused here, with the reason."""
+        from swarm import frame as frames
+
         skel = self.skeleton()
-        prefix = skel.base_model_prefix
-        base = getattr(skel, prefix, None)
-        missing = [n for n in ("layers", "norm", "embed_tokens", "rotary_emb") if not hasattr(base, n)]
-        if base is None or missing or not hasattr(skel, "lm_head"):
-            raise UnsupportedModel(
-                f"model type {self.model_type!r} does not have the decoder layout blocks need "
-                f"(missing {', '.join(missing) or 'lm_head'}); supported: {', '.join(VERIFIED_FAMILIES)}"
-            )
-        return ModelLayout(base_prefix=prefix, layer_types=layer_types(self.config))
+        n = self.num_blocks
+        path = find_layer_list(skel, n)
+        if path is None:
+            raise UnsupportedModel(f"model type {self.model_type!r}: no list of {n} decoder layers found in "
+                                   f"{type(skel).__name__}, so it cannot be split into blocks")
+        shadows = list(frames.get_path(skel, path))
+        takes = inspect.signature(shadows[0].forward).parameters
+        if "per_layer_input" in takes:
+            raise UnsupportedModel(f"model type {self.model_type!r}: its layers take per-layer inputs computed from "
+                                   "the tokens, which the wire does not carry yet")
+        embeddings = skel.get_input_embeddings()
+        if not isinstance(embeddings, torch.nn.Embedding):
+            raise UnsupportedModel(f"model type {self.model_type!r}: its input embeddings are "
+                                   f"{type(embeddings).__name__}, not a token embedding table")
+        try:
+            probe = frames.probe(skel, path, shadows, embeddings.embedding_dim, self.hidden_size)
+        except UnsupportedModel:
+            raise
+        except Exception as exc:  # any failure of the family's own code around empty slots
+            raise UnsupportedModel(f"model type {self.model_type!r}: its forward cannot run around a span of "
+                                   f"layers ({type(exc).__name__}: {str(exc)[:200]})") from exc
+        return ModelLayout(layers_path=path, layer_types=layer_types(self.text_config),
+                           returns_tensor=probe.returns_tensor, embed_dim=embeddings.embedding_dim,
+                           head_modules=frozenset(probe.head_modules), peer_modules=frozenset(probe.peer_modules))
+
+    def model_key(self, name: str) -> str:
+        """The model's name for checkpoint tensor `name`, by transformers' own key mapping (legacy
+        names, fused experts, a composite model's prefixes)."""
+        if self._keys is None:
+            skel = self.skeleton()
+            mapping = get_model_conversion_mapping(skel)
+            renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+            converters = [m for m in mapping if isinstance(m, WeightConverter)]
+            meta = skel.state_dict()
+            self._keys = {k: rename_source_key(k, renamings, converters, skel.base_model_prefix, meta)[0]
+                          for k in self._files}
+        return self._keys[name]
+
+    def names_for(self, blocks=(), modules: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Checkpoint tensors of the given blocks and of the given (non-layer) modules' own tensors."""
+        prefixes = tuple(self.layout.block_prefix(i) for i in blocks)
+        out = []
+        for name in self._files:
+            key = self.model_key(name)
+            if (prefixes and key.startswith(prefixes)) or key.rpartition(".")[0] in modules:
+                out.append(name)
+        return out
 
     def block_bytes(self, block: int, dtype: torch.dtype) -> int:
         """Bytes block `block`'s parameters take in `dtype`, from the file headers (nothing is loaded)."""
-        with self._slices(self.tensor_names(f"{self.layout.base_prefix}.layers.{block}.")) as slices:
+        with self._slices(self.names_for([block])) as slices:
             return sum(math.prod(s.get_shape()) for s in slices.values()) * dtype.itemsize
 
     @contextmanager
@@ -124,7 +184,7 @@ class Checkpoint:
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Attention cache bytes one token takes in one block (keys and values)."""
-        cfg = self.config
+        cfg = self.text_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return 2 * kv_heads * head_dim * dtype.itemsize
@@ -158,13 +218,24 @@ def check_supported(config: PretrainedConfig) -> None:
                                f"({supported})")
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModel(f"model type {kind!r} with bidirectional attention is not supported ({supported})")
-    unknown = sorted(set(layer_types(config)) - set(ATTENTION_KINDS))
+    unknown = sorted(set(layer_types(config.get_text_config(decoder=True))) - set(ATTENTION_KINDS))
     if unknown:
         raise UnsupportedModel(f"model type {kind!r} uses layer kinds {unknown} that blocks cannot run yet; "
                                f"only {ATTENTION_KINDS} ({supported})")
     if kind not in VERIFIED_FAMILIES:
         logger.warning("model type %r is not among the verified families (%s); trying it anyway",
                        kind, ", ".join(VERIFIED_FAMILIES))
+
+
+def find_layer_list(model: torch.nn.Module, n: int) -> str | None:
+    """Attribute path of the decoder's list of `n` layers (inside the text decoder of a composite model)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, torch.nn.Module) else None
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == n and n > 0]
+    if inside is not None and any(id(m) in inside for _, m in found):
+        found = [(name, m) for name, m in found if id(m) in inside]
+    return min((name for name, _ in found), key=lambda name: name.count("."), default=None)
 
 
 def layer_types(config: PretrainedConfig) -> tuple[str, ...]:

@@ -1,19 +1,19 @@
-"""The client's local part of a model: token embeddings, final norm and LM head, without any layer.
+"""The client's local part of a model: what the family computes before its first layer and after its last.
 
-Invariant: built as the family's own CausalLM with zero decoder layers, so embedding scaling, tied
-weights and computed buffers are exactly the family's; only the head's tensors are read from disk.
+Invariant: the family's own causal-LM forward computes both (see `swarm.frame`): embeddings with
+their scales, multipliers, norms and position embeddings on the way in; final norm, LM head, logit
+scaling and soft-capping on the way out. Only the tensors those calls use are read from disk.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
+from swarm.frame import Plan, build
 
 logger = logging.getLogger(__name__)
 
@@ -25,26 +25,16 @@ class ModelHead(torch.nn.Module):
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
         self.model_type, self.num_blocks = ckpt.model_type, ckpt.num_blocks
-
-        config = copy.deepcopy(ckpt.config)
-        config.num_hidden_layers = 0
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = []
-        prefix = ckpt.layout.base_prefix
-        names = [n for n in ckpt.tensor_names("") if not n.startswith(f"{prefix}.layers.")]
-        if not any(n.startswith(f"{prefix}.embed_tokens.") for n in names):
+        self.layout = ckpt.layout
+        frame, _ = build(ckpt, self.dtype, self.device, modules=ckpt.layout.head_modules, tie=True)
+        self.frame = frame
+        self.model = frame.model  # registered: parameters(), to() and state see the head's weights
+        self.embed_tokens = self.model.get_input_embeddings()
+        self.lm_head = self.model.get_output_embeddings()
+        if self.embed_tokens.weight.device.type == "meta":
             raise CheckpointError(f"{ckpt.path}: the checkpoint has no token embeddings")
-        # Built for real (not on meta): computed buffers such as embedding scales must exist.
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=self.dtype)
-        ckpt.load_into(model, names, self.dtype)
-        if getattr(config, "tie_word_embeddings", False):
-            model.tie_weights()
-        base = getattr(model, prefix)
-        self.embed_tokens = base.embed_tokens
-        self.norm = base.norm
-        self.lm_head = model.lm_head
-        self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.to(self.device)
+        self.slot = frame.entries[0]
+        self.hidden_size = ckpt.hidden_size
         self.requires_grad_(False)
         self.eval()
         logger.info("loaded head of %s (%.1fM parameters)", ckpt.model_type, self.num_parameters() / 1e6)
@@ -54,21 +44,41 @@ class ModelHead(torch.nn.Module):
         return int(self.embed_tokens.num_embeddings)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights count once
+        return sum(p.numel() for p in self.parameters() if p.device.type != "meta")  # tied weights count once
 
     @torch.inference_mode()
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, position: int,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states the first layer gets for `input_ids` placed at `position` (`attention_mask`
+        [batch, position + tokens] of 0/1 marks left padding, which shifts positions)."""
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise BadRequest(f"input ids must be an integer tensor [batch, tokens], got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
             raise BadRequest(f"token ids must lie in [0, {self.vocab_size})")
-        return self.embed_tokens(input_ids.to(self.device))
+        batch, tokens = input_ids.shape
+        position_ids = position_ids_for(batch, tokens, position, attention_mask, self.device)
+        return self.frame.call(Plan(capture=self.slot), input_ids=input_ids.to(self.device), position_ids=position_ids)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and (where the family has it) logit soft-capping."""
-        out = self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        return out
+        """The family's logits of the last layer's hidden states: final norm, LM head and whatever it
+        applies after them."""
+        hidden = hidden.to(self.device, self.dtype)
+        batch, tokens, _ = hidden.shape
+        out = self.frame.call(Plan(enter=self.slot, hidden=hidden),
+                              inputs_embeds=torch.zeros(batch, tokens, self.layout.embed_dim, dtype=self.dtype,
+                                                        device=self.device),
+                              position_ids=position_ids_for(batch, tokens, 0, None, self.device))
+        return out.logits
+
+
+def position_ids_for(batch: int, new_tokens: int, position: int, mask: torch.Tensor | None,
+                     device: torch.device) -> torch.Tensor:
+    """Positions of `new_tokens` tokens placed at `position`; with a 0/1 mask, as transformers' generate
+    counts them for left-padded batches (only real tokens count)."""
+    if mask is None:
+        return torch.arange(position, position + new_tokens, device=device).unsqueeze(0).expand(batch, -1)
+    ids = mask.long().cumsum(-1) - 1
+    ids = ids.masked_fill(mask == 0, 1)
+    return ids[:, position:position + new_tokens].to(device)

@@ -62,7 +62,7 @@ def expected(wide_llama):
 
 async def greedy(session: InferenceSession, head, started: asyncio.Event, opened: list) -> list[int]:
     """The prompt, then `DECODE` greedy tokens; waits after the prompt until every session has its route."""
-    out = await session.step(head.embed(PROMPT))
+    out = await session.step(head.embed(PROMPT, 0))
     opened.append(session)
     if len(opened) == SESSIONS:
         started.set()
@@ -71,7 +71,7 @@ async def greedy(session: InferenceSession, head, started: asyncio.Event, opened
     for step in range(DECODE + 1):
         tokens.append(int(head.logits(out[:, -1:]).argmax(-1)))
         if step < DECODE:
-            out = await session.step(head.embed(torch.tensor([[tokens[-1]]])))
+            out = await session.step(head.embed(torch.tensor([[tokens[-1]]]), PROMPT.shape[1] + step))
     return tokens
 
 

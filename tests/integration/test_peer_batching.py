@@ -87,7 +87,7 @@ class Client:
         await self._run(nxt, position)
 
     async def _run(self, ids: torch.Tensor, position: int) -> None:
-        out = await self.session.step(self.head.embed(ids), position, self.mask)
+        out = await self.session.step(self.head.embed(ids, position, self.mask), position, self.mask)
         self.logits.append(self.head.logits(out)[:, -1])
 
 

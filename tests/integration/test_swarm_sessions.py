@@ -51,14 +51,14 @@ def test_raw_session_matches_local_transformers(route, client, loop, tiny_llama)
 
             logits, ids = [], prompt
             for start in range(0, 11, 4):  # prefill in chunks of 4 tokens
-                out = await through(head.embed(prompt[:, start:start + 4]), start)
+                out = await through(head.embed(prompt[:, start:start + 4], start), start)
             logits.append(head.logits(out)[:, -1])
             for pos in range(11, 19):  # greedy decode
                 ids = torch.cat([ids, logits[-1].argmax(-1, keepdim=True)], dim=1)
-                logits.append(head.logits(await through(head.embed(ids[:, -1:]), pos))[:, -1])
+                logits.append(head.logits(await through(head.embed(ids[:, -1:], pos), pos))[:, -1])
             # roll back: replace the last 5 generated tokens with other ones, from position 14
             alt = torch.tensor([[7, 8, 9]])
-            out = await through(head.embed(alt), 14)
+            out = await through(head.embed(alt, 14), 14)
             return logits, ids[0].tolist(), head.logits(out)
         finally:
             for s in sessions:

@@ -52,12 +52,12 @@ class Greedy:
             self.mask[1, :pad] = 0
         self.logits: list[torch.Tensor] = []
         if length:
-            self.blocks(head.embed(self.tokens[:, :length]), self.cache, 0,
+            self.blocks(head.embed(self.tokens[:, :length], 0), self.cache, 0,
                         None if self.mask is None else self.mask[:, :length])
 
     def step_input(self) -> tuple[SpanCache, torch.Tensor, torch.Tensor | None]:
         """The pending step: the last token, at the cache's end."""
-        return self.cache, self.head.embed(self.tokens[:, -1:]), self.mask
+        return self.cache, self.head.embed(self.tokens[:, -1:], self.cache.length, self.mask), self.mask
 
     def took(self, out: torch.Tensor) -> None:
         logits = self.head.logits(out)[:, -1]

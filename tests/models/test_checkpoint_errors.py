@@ -54,5 +54,5 @@ def test_truncated_checkpoint_names_the_block(tiny_checkpoint, tmp_path):
 
     tensors.pop("model.embed_tokens.weight")
     save_file(tensors, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="no token embeddings"):
+    with pytest.raises(CheckpointError, match="missing tensors .*embed_tokens"):
         ModelHead(tmp_path / "ckpt")

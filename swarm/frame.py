@@ -1,0 +1,324 @@
+"""The family's own model, run around a span of its layers: whatever it computes outside them is its own.
+
+A swarm splits a model at its decoder layers. What a family computes before the first layer
+(embedding scales and multipliers, norms on the embeddings, absolute position embeddings, alibi
+slopes, masks, rotary tables) and after the last one (final norm, LM head, logit scales and
+soft-caps) differs from family to family. Rather than re-implement any of it, every part of a
+swarm runs the family's own causal-LM `forward` on an instance whose layer list holds our own
+entries:
+
+- a span's real layers, unchanged, where a peer serves them;
+- a `LayerSlot` everywhere else: it holds no weights and passes its input through.
+
+A call names where the span starts and ends. Hooks on the module API (never a patched or subclassed
+transformers class) put the incoming hidden states in at the first layer of the span and stop the
+forward with the output of its last one. The client's head uses the same frame with no layer at all:
+it stops at slot 0 to read the embeddings the first layer would get, and puts hidden states in at
+slot 0 to get the family's logits of them.
+
+Invariants:
+- Nothing the forward computes before the entry layer reaches it except what the family passes
+  to layers (masks, position embeddings, alibi, ...): the entry's hidden states are replaced.
+- Nothing after the exit layer runs on a peer.
+- Calls are serialised per frame (a lock): the plan of a call lives on the frame while it runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+ENTRY_KEYS = ("hidden_states", "hidden_state", "x", "hidden")
+
+
+class _Leave(Exception):  # noqa: N818 - control flow, never escapes the frame
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+@dataclass
+class Plan:
+    """What one call does at the layer list: where hidden states go in and where the forward stops."""
+
+    enter: object = None  # the module whose hidden-state input is replaced by `hidden`
+    hidden: torch.Tensor | None = None
+    leave: object = None  # the module after whose forward the call stops with its output
+    capture: object = None  # a slot that stops the call with the hidden states it receives
+    seen: list = field(default_factory=list)  # for probes: what slots received
+
+
+def hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    if args:
+        return args[0]
+    for key in ENTRY_KEYS:
+        if key in kwargs:
+            return kwargs[key]
+    raise TypeError("cannot find the hidden states among a layer's arguments")
+
+
+def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    for key in ENTRY_KEYS:
+        if key in kwargs:
+            return args, {**kwargs, key: hidden}
+    raise TypeError("cannot find the hidden states among a layer's arguments")
+
+
+def unwrap(out) -> torch.Tensor:
+    """A layer's hidden-state output, whether it returns a tensor or a tuple led by one."""
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+class LayerSlot(torch.nn.Module):
+    """A place in the family's layer list with no weights: passes its input through (in the form the
+    family's loop expects) unless the running plan says to capture or replace it. Attributes the
+    family's forward reads off its layers (attention type, index, ...) come from the layer's skeleton."""
+
+    def __init__(self, index: int, shadow: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_shadow", shadow)  # not registered: its (meta) weights are not ours
+        self.slot_index = index
+        self.returns_tensor = True  # set by the frame that holds the slot
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_shadow"), name)
+
+    def forward(self, *args, **kwargs):
+        plan = _CURRENT.plan
+        hidden = hidden_of(args, kwargs)
+        if plan is not None:
+            plan.seen.append(hidden)
+            if plan.capture is self:
+                raise _Leave(hidden)
+            if plan.enter is self:
+                hidden = plan.hidden
+            if plan.leave is self:
+                raise _Leave(hidden)
+        return hidden if self.returns_tensor else (hidden,)
+
+
+class Frame:
+    """The family's causal-LM instance with its layer list replaced by `entries` (real layers or slots)."""
+
+    def __init__(self, model: torch.nn.Module, layers_path: str, entries: list[torch.nn.Module],
+                 returns_tensor: bool = True):
+        self.model = model
+        self.layers_path = layers_path
+        self._returns_tensor = returns_tensor
+        self._lock = threading.Lock()
+        parent, attr = _parent(model, layers_path)
+        setattr(parent, attr, torch.nn.ModuleList(entries))
+        self.entries = getattr(parent, attr)
+        for entry in self.entries:
+            if isinstance(entry, LayerSlot):
+                entry.returns_tensor = returns_tensor
+            else:
+                hook_layer(entry)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._takes = set(params)
+
+    @property
+    def returns_tensor(self) -> bool:
+        return self._returns_tensor
+
+    @returns_tensor.setter
+    def returns_tensor(self, value: bool) -> None:
+        self._returns_tensor = value
+        for entry in self.entries:
+            if isinstance(entry, LayerSlot):
+                entry.returns_tensor = value
+
+    def use(self, entries: torch.nn.ModuleList) -> None:
+        """Put `entries` in as the family's layer list (one per block)."""
+        parent, attr = _parent(self.model, self.layers_path)
+        setattr(parent, attr, entries)
+
+    def kwargs(self, **given) -> dict:
+        """The given keyword arguments the family's forward accepts (the cache under its own name)."""
+        out = {}
+        for key, value in given.items():
+            if key == "cache":
+                if value is not None:
+                    out[self._cache_kw] = value
+            elif key in self._takes and value is not None:
+                out[key] = value
+        return out
+
+    def call(self, plan: Plan, entries: torch.nn.ModuleList | None = None, **inputs):
+        """Run the family's forward under `plan` (with `entries` as its layer list, if given): the value a
+        `_Leave` carried, or the forward's output."""
+        with self._lock:
+            if entries is not None:
+                self.use(entries)
+            _CURRENT.plan = plan
+            try:
+                return self.model(**self.kwargs(**inputs))
+            except _Leave as done:
+                return done.value
+            finally:
+                _CURRENT.plan = None
+
+
+class _Current(threading.local):
+    plan: Plan | None = None
+
+
+_CURRENT = _Current()  # the running plan, for hooks on real layers (which may be shared by two frames)
+
+
+def _enter_hook(module, args, kwargs):
+    plan = _CURRENT.plan
+    if plan is not None and plan.enter is module:
+        return with_hidden(args, kwargs, plan.hidden)
+    return None
+
+
+def _leave_hook(module, args, kwargs, output):
+    plan = _CURRENT.plan
+    if plan is not None and plan.leave is module:
+        raise _Leave(unwrap(output))
+    return None
+
+
+def hook_layer(layer: torch.nn.Module) -> None:
+    """Let plans put hidden states into and stop after a real layer (once per layer object)."""
+    if getattr(layer, "_swarm_hooked", False):
+        return
+    layer.register_forward_pre_hook(_enter_hook, with_kwargs=True)
+    layer.register_forward_hook(_leave_hook, with_kwargs=True)
+    layer._swarm_hooked = True
+
+
+def _parent(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+    *parents, attr = path.split(".")
+    parent = model
+    for name in parents:
+        parent = getattr(parent, name)
+    return parent, attr
+
+
+def get_path(model: torch.nn.Module, path: str):
+    parent, attr = _parent(model, path)
+    return getattr(parent, attr)
+
+
+@dataclass
+class Probe:
+    returns_tensor: bool
+    head_modules: set[str]
+    peer_modules: set[str]
+
+
+def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Module], embed_dim: int,
+          hidden_size: int) -> Probe:
+    """Run the family's forward on `skeleton` (emptied of its layers, its other weights random) the
+    three ways a swarm does: to the embeddings the first layer gets, from outside hidden states at a
+    peer, and from hidden states to logits. Returns the loop's output convention and which modules
+    the head's and a peer's calls use (so only their tensors are loaded)."""
+    slots = [LayerSlot(i, shadow) for i, shadow in enumerate(shadows)]
+    frame = Frame(skeleton, layers_path, slots)
+    skeleton.to_empty(device="cpu")
+    skeleton.initialize_weights()
+    skeleton.eval()
+    names = {id(m): name for name, m in skeleton.named_modules()}
+    inside = f"{layers_path}."
+    ids = torch.tensor([[3, 4]])
+    position_ids = torch.arange(2).unsqueeze(0)
+
+    def called(run) -> set[str]:
+        seen: set[str] = set()
+
+        def record(module, args):
+            name = names.get(id(module))
+            if name is not None and name != layers_path and not name.startswith(inside):
+                seen.add(name)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+        try:
+            with torch.inference_mode():
+                run()
+        finally:
+            handle.remove()
+        return seen
+
+    embed = called(lambda: frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids))
+    peer = called(lambda: frame.call(Plan(capture=slots[0]), inputs_embeds=torch.zeros(1, 2, embed_dim),
+                                     position_ids=position_ids))
+    # The loop's convention: slots return tuples here; if the next slot gets a tuple, the loop takes
+    # outputs as they are (tensors); if it gets a tensor, the loop took `output[0]`.
+    frame.returns_tensor = False
+    plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size), capture=slots[1] if len(slots) > 1 else None)
+    frame.call(plan, inputs_embeds=torch.zeros(1, 2, embed_dim), position_ids=position_ids)
+    frame.returns_tensor = len(slots) == 1 or not isinstance(plan.seen[1], torch.Tensor)
+    tail_plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size))
+    out = {}
+    tail = called(lambda: out.update(logits=_logits(frame.call(tail_plan, inputs_embeds=torch.zeros(1, 2, embed_dim),
+                                                                position_ids=position_ids))))
+    if out["logits"] is None or out["logits"].shape[:2] != (1, 2):
+        raise TypeError(f"the forward gave no logits for 2 positions (got {out['logits']!r:.80})")
+    return Probe(returns_tensor=frame.returns_tensor, head_modules=embed | tail, peer_modules=peer)
+
+
+def _logits(output):
+    logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def build(ckpt, dtype: torch.dtype, device: torch.device, blocks=(), modules=frozenset(),
+          shared: dict | None = None, tie: bool = False) -> tuple[Frame, dict[int, torch.nn.Module]]:
+    """The family's model with blocks `blocks` (read from disk unless in `shared`) and the named non-layer
+    `modules` loaded; every other layer is a slot and every other weight stays on the meta device.
+    Returns the frame and its real layers by block index."""
+    from swarm.errors import CheckpointError
+
+    shared = shared or {}
+    layout = ckpt.layout
+    skel = ckpt.skeleton(dtype)
+    fresh = [i for i in blocks if i not in shared]
+    names = ckpt.names_for(fresh, modules)
+    if names:
+        ckpt.load_into(skel, names, dtype)
+    layer_list = get_path(skel, layout.layers_path)
+    layers = {i: shared.get(i, layer_list[i]) for i in blocks}
+    entries = [layers[i] if i in layers else LayerSlot(i, layer_list[i]) for i in range(len(layer_list))]
+
+    tied = set(getattr(skel, "all_tied_weights_keys", None) or {}) if tie else set()
+    owned = [(name, skel.get_submodule(name)) for name in sorted(modules)]
+    owned += [(f"{layout.layers_path}.{i}", layers[i]) for i in fresh]
+    missing = []
+    for name, module in owned:
+        for pname, param in module.named_parameters(recurse=name.startswith(f"{layout.layers_path}.")):
+            if param.device.type == "meta" and f"{name}.{pname}" not in tied:
+                missing.append(f"{name}.{pname}")
+    if missing:
+        where = sorted({int(m[len(layout.layers_path) + 1:].split(".")[0]) for m in missing
+                        if m.startswith(f"{layout.layers_path}.")})
+        blocks_note = f"block {', '.join(map(str, where))} " if where else ""
+        raise CheckpointError(f"{ckpt.path}: {blocks_note}missing tensors {missing[:4]} (checkpoint incomplete?)")
+    for name, module in owned:
+        for sub in module.modules() if name.startswith(f"{layout.layers_path}.") else [module]:
+            for bname, buf in list(sub._buffers.items()):
+                if buf is not None and buf.device.type == "meta":
+                    sub._buffers[bname] = torch.empty_like(buf, device="cpu")
+    frame = Frame(skel, layout.layers_path, entries, layout.returns_tensor)
+    with torch.no_grad():
+        skel.initialize_weights()  # computed buffers (rotary tables, embedding scales), as from_pretrained does
+        if tie:
+            skel.tie_weights()
+    for name, module in owned:
+        if name.startswith(f"{layout.layers_path}."):
+            module.to(device)
+        else:  # only the module's own tensors: its children may be other parts, left on meta
+            module._apply(lambda t: t.to(device), recurse=False)
+    skel.requires_grad_(False)
+    skel.eval()
+    return frame, layers
