@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 # decoder-only family with the same layout (`model.layers`, `model.norm`, `model.rotary_emb`,
 # `lm_head`) and only full or sliding-window attention is attempted, with a warning.
 VERIFIED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# Layer kinds whose cache is keys and values of every past token: the family's own forward builds
+# their masks (causal, windowed, chunked) from the cache's length.
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -122,6 +124,17 @@ class Checkpoint:
             raise UnsupportedModel(f"model type {self.model_type!r}: no list of {n} decoder layers found in "
                                    f"{type(skel).__name__}, so it cannot be split into blocks")
         shadows = list(frames.get_path(skel, path))
+        forward = inspect.signature(skel.forward).parameters
+        if "cache" not in forward and "past_key_values" not in forward:
+            raise UnsupportedModel(f"model type {self.model_type!r} keeps no cache of past tokens: every step would "
+                                   "recompute the whole sequence on every peer")
+        bidirectional = [name for name, m in shadows[0].named_modules()
+                         if (getattr(m, "is_causal", None) is False or getattr(m, "is_decoder", None) is False)
+                         and "cross" not in name and "encoder" not in name]
+        if bidirectional:
+            hint = " (its config sets is_decoder=false)" if getattr(self.text_config, "is_decoder", None) is False else ""
+            raise UnsupportedModel(f"model type {self.model_type!r}: its attention is bidirectional{hint}, so a "
+                                   "prefix cannot be computed before the tokens after it")
         takes = inspect.signature(shadows[0].forward).parameters
         if "per_layer_input" in takes:
             raise UnsupportedModel(f"model type {self.model_type!r}: its layers take per-layer inputs computed from "

@@ -206,6 +206,20 @@ def _parent(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
     return parent, attr
 
 
+def length_cache(batch: int, length: int, num_blocks: int, device=None):
+    """A cache that holds nothing but says it holds `length` tokens: what a family's embedding step reads
+    positions from when its forward takes no position ids."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    if length:
+        layer.update(torch.zeros(batch, 1, length, 1, device=device), torch.zeros(batch, 1, length, 1, device=device))
+    kv = DynamicCache()
+    kv.layers = [layer] * num_blocks
+    return kv
+
+
 def get_path(model: torch.nn.Module, path: str):
     parent, attr = _parent(model, path)
     return getattr(parent, attr)

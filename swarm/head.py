@@ -13,7 +13,7 @@ import torch
 
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
-from swarm.frame import Plan, build
+from swarm.frame import Plan, build, length_cache
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class ModelHead(torch.nn.Module):
             raise BadRequest(f"token ids must lie in [0, {self.vocab_size})")
         batch, tokens = input_ids.shape
         position_ids = position_ids_for(batch, tokens, position, attention_mask, self.device)
-        return self.frame.call(Plan(capture=self.slot), input_ids=input_ids.to(self.device), position_ids=position_ids)
+        return self.frame.call(Plan(capture=self.slot), input_ids=input_ids.to(self.device), position_ids=position_ids,
+                               cache=length_cache(batch, position, self.num_blocks, self.device), use_cache=True)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

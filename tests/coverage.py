@@ -1,0 +1,238 @@
+"""Every model type in transformers' causal-LM mapping, through three chained spans, against transformers.
+
+For each type: a tiny random checkpoint from a config with fixed seeds and the values real
+checkpoints use where a class default would be neutral (embedding and logit multipliers, logit
+scales, soft-caps, short sliding windows); then our head and three spans (prefill in two chunks,
+greedy steps, a rollback with a different continuation) against the whole model run by
+transformers in this process. The outcome of a type is one of:
+
+- "exact": greedy tokens identical and every logit within `TOLERANCE` (float32);
+- "refused": a typed `UnsupportedModel` before any weight loads, with its reason;
+- "wrong" or "crash": a defect (the test over the mapping fails on either).
+
+Used by `tests/models/test_every_family.py` and by `benchmarks/model_coverage.py`, which writes
+`docs/models.md`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+TOLERANCE = 1e-4
+PROMPT, FIRST_CHUNK, STEPS, BACK = 9, 5, 8, 4
+BLOCKS = 6
+
+# Small sizes, under the names configs take them (aliases resolve through each config's attribute map).
+SIZES = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=256, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.2, tie_word_embeddings=False,
+    # mixtures of experts
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_shared_experts=1, num_shared_experts=1, shared_expert_intermediate_size=32, first_k_dense_replace=1,
+    n_group=1, topk_group=1,
+    # other names of the same sizes
+    d_model=64, decoder_layers=BLOCKS, encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4,
+    decoder_ffn_dim=128, encoder_ffn_dim=128, rotary_dim=8,
+    # latent attention
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+)
+
+# Values real checkpoints use where the class default is neutral (1.0, off): neutral defaults hide a
+# part that is not applied. Set only where the config has the field.
+REALISTIC = dict(
+    embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+    logit_scale=0.0625, scale_emb=12.0, dim_model_base=32, scale_depth=1.4,
+    final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=16,
+    sliding_window=4, use_sliding_window=True, max_window_layers=3,
+    embedding_scale=2.0, output_multiplier_scale=0.5, mup_width_multiplier=2.0,
+)
+
+# Per type, where the generic sizes do not fit the class.
+OVERRIDES: dict[str, dict] = {}
+
+
+@dataclass
+class Outcome:
+    model_type: str
+    result: str  # exact | refused | wrong | crash
+    detail: str = ""
+    max_diff: float | None = None
+    seconds: float = 0.0
+
+
+def model_types() -> list[str]:
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str):
+    """A small config of `model_type` with realistic non-neutral values, deterministic."""
+    base = AutoConfig.for_model(model_type)
+    wanted = {**SIZES, **OVERRIDES.get(model_type, {})}
+    return _shrunk(base, wanted, model_type)
+
+
+# Towers of composite models (vision, audio) only need to build: the swarm serves the language model.
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+             depth=1, num_layers=1, embed_dim=32, head_dim=16)
+SUBCONFIGS = ("text_config", "vision_config", "audio_config", "decoder_config", "encoder_config", "vq_config",
+              "speech_config", "depth_decoder_config")
+
+
+def _shrunk(config, wanted: dict, model_type: str, tower: bool = False):
+    data = config.to_dict()
+    fields = set(data) | set(getattr(config, "attribute_map", {}))
+    blocks = _layers(config)
+    kwargs = {k: v for k, v in (TOWER if tower else wanted).items() if k in fields}
+    if not tower:
+        kwargs.update({k: v for k, v in REALISTIC.items() if k in fields and k not in OVERRIDES.get(model_type, {})})
+    if "head_dim" in kwargs and "head_dim" not in data:
+        kwargs.pop("head_dim")
+    if "head_dim" in kwargs and "qk_rope_head_dim" in kwargs:  # latent attention: rotary tables span the rope part
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+    target = kwargs.get("num_hidden_layers", kwargs.get("decoder_layers", BLOCKS))
+    for key, value in data.items():
+        if key in kwargs or key in SUBCONFIGS:
+            continue
+        if isinstance(value, list) and blocks and len(value) == blocks and len(value) != target:
+            kwargs[key] = _per_layer(value, target, cycle=key == "layer_types")
+        elif key == "per_layer_config" and isinstance(value, dict):
+            kwargs[key] = {k: v for k, v in value.items() if int(k) < target}
+    if "layer_types" in data and isinstance(data["layer_types"], list) and len(data["layer_types"]) == target:
+        kwargs["layer_types"] = _per_layer(data["layer_types"], target, cycle=True)
+    for name in SUBCONFIGS:
+        part = getattr(config, name, None)
+        if isinstance(part, dict) and "model_type" in part:
+            part = AutoConfig.for_model(part["model_type"], **{k: v for k, v in part.items() if k != "model_type"})
+        if part is not None and hasattr(part, "to_dict"):
+            kwargs[name] = _shrunk(part, wanted, model_type, tower=name != "text_config").to_dict()
+    merged = {**data, **kwargs}
+    kind = merged.pop("model_type", None) or model_type
+    merged.pop("transformers_version", None)
+    return AutoConfig.for_model(kind if tower else model_type, **merged)
+
+
+def _layers(config) -> int | None:
+    for name in ("num_hidden_layers", "decoder_layers", "n_layer", "num_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _per_layer(values: list, n: int, cycle: bool) -> list:
+    """`n` entries of a per-layer list: its distinct values in turn (layer kinds mix in every span), or
+    entries spread over it (first and last kept)."""
+    if cycle:
+        kinds = list(dict.fromkeys(values))
+        return [kinds[i % len(kinds)] for i in range(n)]
+    if n == 1:
+        return values[:1]
+    return [values[round(i * (len(values) - 1) / (n - 1))] for i in range(n)]
+
+
+MAX_PARAMETERS = 5_000_000
+
+
+def build(model_type: str, directory: Path, seed: int = 0) -> Path:
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"the tiny config has {size / 1e6:.0f}M parameters: shrink it in OVERRIDES")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+@torch.inference_mode()
+def check(model_type: str, directory: Path) -> Outcome:
+    """Build, then compare or record the refusal; never raises."""
+    from client.local_chain import LocalChain
+    from swarm.checkpoint import Checkpoint
+    from swarm.errors import UnsupportedModel
+    from swarm.span import split_evenly
+
+    started = time.monotonic()
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            try:
+                path = build(model_type, directory)
+            except Exception as exc:  # noqa: BLE001 - a config transformers itself cannot build
+                return Outcome(model_type, "crash", f"building the tiny model: {type(exc).__name__}: {exc}"[:300],
+                               seconds=time.monotonic() - started)
+            try:
+                ckpt = Checkpoint(path)
+            except UnsupportedModel as exc:
+                return Outcome(model_type, "refused", str(exc), seconds=time.monotonic() - started)
+            try:
+                outcome = _compare(ckpt, path, LocalChain, split_evenly)
+            except UnsupportedModel as exc:
+                return Outcome(model_type, "refused", str(exc), seconds=time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - recorded as a defect
+                return Outcome(model_type, "crash", f"{type(exc).__name__}: {exc}"[:300],
+                               seconds=time.monotonic() - started)
+    finally:
+        quiet.setLevel(level)
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+def _compare(ckpt, path: Path, LocalChain, split_evenly) -> Outcome:  # noqa: N803
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    vocab = ckpt.text_config.vocab_size
+    ids = torch.randint(3, min(vocab, 256), (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    # plain greedy: none of the class's default processors (n-gram bans, forced tokens, minimum lengths)
+    ref.generation_config = GenerationConfig(max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = ref.generate(ids, attention_mask=torch.ones_like(ids))
+
+    chain = LocalChain(path, split_evenly(ckpt.num_blocks, 3)).session(1, PROMPT + STEPS + 8)
+    logits = [chain.step(ids[:, :FIRST_CHUNK], 0), chain.step(ids[:, FIRST_CHUNK:], FIRST_CHUNK)]
+    tokens = ids
+    for _ in range(STEPS):
+        nxt = logits[-1][:, -1:].argmax(-1)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        logits.append(chain.step(nxt, tokens.shape[1] - 1))
+    ours = torch.cat(logits, dim=1)[:, :-1]
+    theirs = ref(tokens[:, :-1]).logits
+    diff = (ours - theirs).abs().max().item()
+    back = tokens.shape[1] - BACK
+    other = torch.tensor([[5, 6, 7]])
+    rolled = chain.step(other, back)
+    alt = torch.cat([tokens[:, :back], other], dim=1)
+    diff = max(diff, (rolled - ref(alt).logits[:, back:]).abs().max().item())
+    same = torch.equal(tokens, expected)
+    if same and diff <= TOLERANCE:
+        return Outcome(ckpt.model_type, "exact", max_diff=diff)
+    return Outcome(ckpt.model_type, "wrong", f"max logit difference {diff:.2e}; greedy tokens "
+                   f"{'identical' if same else 'differ'}", max_diff=diff)
+
+
+def run_all(root: Path, types: list[str] | None = None, progress=None) -> list[Outcome]:
+    out = []
+    for i, model_type in enumerate(types or model_types()):
+        outcome = check(model_type, root / model_type.replace("/", "_"))
+        outcome.model_type = model_type
+        out.append(outcome)
+        if progress:
+            progress(i + 1, outcome)
+    return out
+
+
+__all__ = ["Outcome", "check", "run_all", "model_types", "tiny_config", "copy"]
