@@ -60,7 +60,9 @@ REALISTIC = dict(
 )
 
 # Per type, where the generic sizes do not fit the class.
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 3),
+}
 
 
 @dataclass
@@ -102,25 +104,34 @@ def _shrunk(config, wanted: dict, model_type: str, tower: bool = False):
     if "head_dim" in kwargs and "qk_rope_head_dim" in kwargs:  # latent attention: rotary tables span the rope part
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     target = kwargs.get("num_hidden_layers", kwargs.get("decoder_layers", BLOCKS))
+    # Per-layer settings follow a pick of the original layers (first and last kept); with no per-layer
+    # overrides, layer kinds instead take turns, so that every span mixes them.
+    picked = _per_layer(list(range(blocks)), target, cycle=False) if blocks else []
+    per_layer = data.get("per_layer_config")
     for key, value in data.items():
         if key in kwargs or key in SUBCONFIGS:
             continue
         if isinstance(value, list) and blocks and len(value) == blocks and len(value) != target:
-            kwargs[key] = _per_layer(value, target, cycle=key == "layer_types")
-        elif key == "per_layer_config" and isinstance(value, dict):
-            kwargs[key] = {k: v for k, v in value.items() if int(k) < target}
+            if key == "layer_types" and not per_layer:
+                kwargs[key] = _per_layer(value, target, cycle=True)
+            else:
+                kwargs[key] = [value[j] for j in picked]
+        elif key == "per_layer_config" and isinstance(value, dict) and blocks:
+            kwargs[key] = {i: value[str(j)] if str(j) in value else value[j] for i, j in enumerate(picked)
+                           if str(j) in value or j in value}
     if "layer_types" in data and isinstance(data["layer_types"], list) and len(data["layer_types"]) == target:
         kwargs["layer_types"] = _per_layer(data["layer_types"], target, cycle=True)
+    parts = {}
     for name in SUBCONFIGS:
         part = getattr(config, name, None)
         if isinstance(part, dict) and "model_type" in part:
             part = AutoConfig.for_model(part["model_type"], **{k: v for k, v in part.items() if k != "model_type"})
         if part is not None and hasattr(part, "to_dict"):
-            kwargs[name] = _shrunk(part, wanted, model_type, tower=name != "text_config").to_dict()
-    merged = {**data, **kwargs}
-    kind = merged.pop("model_type", None) or model_type
-    merged.pop("transformers_version", None)
-    return AutoConfig.for_model(kind if tower else model_type, **merged)
+            parts[name] = _shrunk(part, wanted, model_type, tower=name != "text_config")
+    if "kv_lora_rank" in kwargs:  # latent attention has as many key-value heads as query heads
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    # Only what changes is passed: whatever the class derives (per-layer lists, head widths) is derived again.
+    return AutoConfig.for_model(data.get("model_type") or model_type, **kwargs, **parts)
 
 
 def _layers(config) -> int | None:
@@ -142,7 +153,7 @@ def _per_layer(values: list, n: int, cycle: bool) -> list:
     return [values[round(i * (len(values) - 1) / (n - 1))] for i in range(n)]
 
 
-MAX_PARAMETERS = 5_000_000
+MAX_PARAMETERS = 40_000_000
 
 
 def build(model_type: str, directory: Path, seed: int = 0) -> Path:
