@@ -238,7 +238,7 @@ class SpanBlocks(torch.nn.Module):
         batch, tokens, _ = hidden.shape
         plan = Plan(enter=entries[run.start], hidden=hidden, leave=entries[run.end - 1])
         return self.frame.call(
-            plan, entries=entries,
+            plan, entries=entries, decoder=True,
             inputs_embeds=torch.zeros(batch, tokens, self.embed_dim, dtype=self.dtype, device=self.device),
             attention_mask=None if attention_mask is None else attention_mask.long(), position_ids=position_ids,
             cache=kv, use_cache=kv is not None)

@@ -79,9 +79,9 @@ class Checkpoint:
         # language model: blocks, widths and layer kinds are the text model's.
         self.text_config: PretrainedConfig = self.config.get_text_config(decoder=True)
         check_supported(self.config)
-        self._files = self._index_tensors()
         self._keys: dict[str, str] | None = None
-        self.layout = self._read_layout()
+        self.layout = self._read_layout()  # refuses what cannot be split, before any tensor is looked at
+        self._files = self._index_tensors()
 
     @property
     def num_blocks(self) -> int:
@@ -117,12 +117,20 @@ class Checkpoint:
         a family whose forward cannot be split at its layers is refused here, with the reason."""
         from swarm import frame as frames
 
-        skel = self.skeleton()
+        try:
+            skel = self.skeleton()
+        except Exception as exc:  # transformers cannot build the class from this config here
+            raise UnsupportedModel(f"model type {self.model_type!r}: transformers cannot build its causal-LM class "
+                                   f"from this config ({type(exc).__name__}: {str(exc).strip()[:200]})") from exc
         n = self.num_blocks
         path = find_layer_list(skel, n)
         if path is None:
             raise UnsupportedModel(f"model type {self.model_type!r}: no list of {n} decoder layers found in "
                                    f"{type(skel).__name__}, so it cannot be split into blocks")
+        parallel = [name for name in parallel_layer_lists(skel, n) if name != path]
+        if parallel:
+            raise UnsupportedModel(f"model type {self.model_type!r} keeps per-layer weights outside its layer list "
+                                   f"({', '.join(parallel[:3])}), so a block is not one module")
         shadows = list(frames.get_path(skel, path))
         forward = inspect.signature(skel.forward).parameters
         if "cache" not in forward and "past_key_values" not in forward:
@@ -136,7 +144,7 @@ class Checkpoint:
             raise UnsupportedModel(f"model type {self.model_type!r}: its attention is bidirectional{hint}, so a "
                                    "prefix cannot be computed before the tokens after it")
         takes = inspect.signature(shadows[0].forward).parameters
-        if "per_layer_input" in takes:
+        if "per_layer_input" in takes and getattr(self.text_config, "hidden_size_per_layer_input", 1):
             raise UnsupportedModel(f"model type {self.model_type!r}: its layers take per-layer inputs computed from "
                                    "the tokens, which the wire does not carry yet")
         embeddings = skel.get_input_embeddings()
@@ -145,8 +153,8 @@ class Checkpoint:
                                    f"{type(embeddings).__name__}, not a token embedding table")
         try:
             probe = frames.probe(skel, path, shadows, embeddings.embedding_dim, self.hidden_size)
-        except UnsupportedModel:
-            raise
+        except UnsupportedModel as exc:
+            raise UnsupportedModel(f"model type {self.model_type!r}: {exc}") from exc
         except Exception as exc:  # any failure of the family's own code around empty slots
             raise UnsupportedModel(f"model type {self.model_type!r}: its forward cannot run around a span of "
                                    f"layers ({type(exc).__name__}: {str(exc)[:200]})") from exc
@@ -224,9 +232,9 @@ def check_supported(config: PretrainedConfig) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"model type {kind!r} is an encoder-decoder model; only decoder-only models "
                                f"can be served by a swarm ({supported})")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UnsupportedModel(f"model type {kind!r} is not a causal language model known to transformers "
                                f"({supported})")
     if getattr(config, "use_bidirectional_attention", False):
@@ -238,6 +246,15 @@ def check_supported(config: PretrainedConfig) -> None:
     if kind not in VERIFIED_FAMILIES:
         logger.warning("model type %r is not among the verified families (%s); trying it anyway",
                        kind, ", ".join(VERIFIED_FAMILIES))
+
+
+def parallel_layer_lists(model: torch.nn.Module, n: int) -> list[str]:
+    """Lists of `n` modules with weights inside the text decoder (one of them is the layer list)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    root = decoder if isinstance(decoder, torch.nn.Module) else model
+    prefix = next((name for name, m in model.named_modules() if m is root), "")
+    return [f"{prefix}.{name}".strip(".") for name, m in root.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and len(m) == n and any(True for _ in m.parameters())]
 
 
 def find_layer_list(model: torch.nn.Module, n: int) -> str | None:

@@ -122,9 +122,8 @@ class Frame:
                 entry.returns_tensor = returns_tensor
             else:
                 hook_layer(entry)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._takes = set(params)
+        self.decoder = decoder_of(model, self.entries)
+        self._params: dict[int, tuple[str, set]] = {}
 
     @property
     def returns_tensor(self) -> bool:
@@ -142,30 +141,44 @@ class Frame:
         parent, attr = _parent(self.model, self.layers_path)
         setattr(parent, attr, entries)
 
-    def kwargs(self, **given) -> dict:
-        """The given keyword arguments the family's forward accepts (the cache under its own name)."""
+    def kwargs(self, runner: torch.nn.Module, **given) -> dict:
+        """The given keyword arguments `runner`'s forward accepts (the cache under its own name)."""
+        if id(runner) not in self._params:
+            params = inspect.signature(runner.forward).parameters
+            self._params[id(runner)] = ("cache" if "cache" in params else "past_key_values", set(params))
+        cache_kw, takes = self._params[id(runner)]
         out = {}
         for key, value in given.items():
             if key == "cache":
                 if value is not None:
-                    out[self._cache_kw] = value
-            elif key in self._takes and value is not None:
+                    out[cache_kw] = value
+            elif key in takes and value is not None:
                 out[key] = value
         return out
 
-    def call(self, plan: Plan, entries: torch.nn.ModuleList | None = None, **inputs):
+    def call(self, plan: Plan, entries: torch.nn.ModuleList | None = None, decoder: bool = False, **inputs):
         """Run the family's forward under `plan` (with `entries` as its layer list, if given): the value a
-        `_Leave` carried, or the forward's output."""
+        `_Leave` carried, or the forward's output. `decoder`: run the text decoder's forward rather than the
+        causal-LM's (what a span needs: no multimodal inputs, no head)."""
+        runner = self.decoder if decoder else self.model
         with self._lock:
             if entries is not None:
                 self.use(entries)
             _CURRENT.plan = plan
             try:
-                return self.model(**self.kwargs(**inputs))
+                return runner(**self.kwargs(runner, **inputs))
             except _Leave as done:
                 return done.value
             finally:
                 _CURRENT.plan = None
+
+
+def decoder_of(model: torch.nn.Module, layers: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder that holds the layer list (what a span runs), else the whole model."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if isinstance(decoder, torch.nn.Module) and any(m is layers for m in decoder.modules()):
+        return decoder
+    return model
 
 
 class _Current(threading.local):
@@ -265,7 +278,7 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
         return seen
 
     embed = called(lambda: frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids))
-    peer = called(lambda: frame.call(Plan(capture=slots[0]), inputs_embeds=torch.zeros(1, 2, embed_dim),
+    peer = called(lambda: frame.call(Plan(capture=slots[0]), decoder=True, inputs_embeds=torch.zeros(1, 2, embed_dim),
                                      position_ids=position_ids))
     # The loop's convention: slots return tuples here; if the next slot gets a tuple, the loop takes
     # outputs as they are (tensors); if it gets a tensor, the loop took `output[0]`.
@@ -279,6 +292,11 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
                                                                 position_ids=position_ids))))
     if out["logits"] is None or out["logits"].shape[:2] != (1, 2):
         raise TypeError(f"the forward gave no logits for 2 positions (got {out['logits']!r:.80})")
+    if len(tail_plan.seen) != len(slots):
+        from swarm.errors import UnsupportedModel
+
+        raise UnsupportedModel(f"its forward runs {len(tail_plan.seen)} layer calls for {len(slots)} layers (layers "
+                               "looped or skipped), so a span's output is not what the next span takes")
     return Probe(returns_tensor=frame.returns_tensor, head_modules=embed | tail, peer_modules=peer)
 
 

@@ -62,6 +62,27 @@ REALISTIC = dict(
 # Per type, where the generic sizes do not fit the class.
 OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 3),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=BLOCKS, max_seq_len=256,
+                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "dots3_note": dict(head_dim=16), "dots3_note_text": dict(head_dim=16),
+    "gemma3n_text": dict(num_kv_shared_layers=2, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
+    # The larger Gemma 4 checkpoints have no per-layer inputs (the smaller ones do: see `PER_LAYER_INPUTS`).
+    "gemma4": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
+    "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
+    "gemma4_unified": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
+    "gemma4_unified_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
+    "gemma4_assistant": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
+    "gemma4_unified_assistant": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
+    "inkling2_text": dict(vocab_size=201024), "inkling2_loop_text": dict(vocab_size=201024),
+    "qwen4_exp_text": dict(token_budget=8, compress_ratio=2), "qwen4_exp": dict(token_budget=8, compress_ratio=2),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    "xlnet": dict(n_head=4, d_head=16),
+    "zaya": dict(num_experts_per_tok=1),
+    "reformer": dict(is_decoder=True, axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32],
+                     attn_layers=["local", "lsh"] * 3, local_attn_chunk_length=8, lsh_attn_chunk_length=8),
 }
 
 
@@ -101,7 +122,8 @@ def _shrunk(config, wanted: dict, model_type: str, tower: bool = False):
         kwargs.update({k: v for k, v in REALISTIC.items() if k in fields and k not in OVERRIDES.get(model_type, {})})
     if "head_dim" in kwargs and "head_dim" not in data:
         kwargs.pop("head_dim")
-    if "head_dim" in kwargs and "qk_rope_head_dim" in kwargs:  # latent attention: rotary tables span the rope part
+    if "head_dim" in kwargs and "qk_rope_head_dim" in kwargs and "head_dim" not in OVERRIDES.get(model_type, {}):
+        # latent attention: rotary tables span the rope part
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     target = kwargs.get("num_hidden_layers", kwargs.get("decoder_layers", BLOCKS))
     # Per-layer settings follow a pick of the original layers (first and last kept); with no per-layer
@@ -121,6 +143,10 @@ def _shrunk(config, wanted: dict, model_type: str, tower: bool = False):
                            if str(j) in value or j in value}
     if "layer_types" in data and isinstance(data["layer_types"], list) and len(data["layer_types"]) == target:
         kwargs["layer_types"] = _per_layer(data["layer_types"], target, cycle=True)
+    spare = iter(range(SIZES["vocab_size"] - 1, 200, -1))  # special tokens of towers, inside the small vocabulary
+    for key, value in data.items():
+        if key.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= SIZES["vocab_size"]:
+            kwargs.setdefault(key, next(spare))
     parts = {}
     for name in SUBCONFIGS:
         part = getattr(config, name, None)
@@ -185,7 +211,16 @@ def check(model_type: str, directory: Path) -> Outcome:
             warnings.simplefilter("ignore")
             try:
                 path = build(model_type, directory)
-            except Exception as exc:  # noqa: BLE001 - a config transformers itself cannot build
+            except Exception as exc:  # noqa: BLE001 - transformers itself cannot build the class from this config
+                # Then a checkpoint of it must still be refused with a reason, from its config alone.
+                directory.mkdir(parents=True, exist_ok=True)
+                try:
+                    tiny_config(model_type).save_pretrained(directory)
+                    Checkpoint(directory)
+                except UnsupportedModel as refusal:
+                    return Outcome(model_type, "refused", str(refusal), seconds=time.monotonic() - started)
+                except Exception:  # noqa: BLE001
+                    pass
                 return Outcome(model_type, "crash", f"building the tiny model: {type(exc).__name__}: {exc}"[:300],
                                seconds=time.monotonic() - started)
             try:
