@@ -30,13 +30,15 @@ from transformers.core_model_loading import (WeightConverter, WeightRenaming, co
 from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
+from swarm.families import EXACT
 
 logger = logging.getLogger(__name__)
 
-# Families proven block-by-block against transformers (tests/models/test_blocks.py). Any other
-# decoder-only family with the same layout (`model.layers`, `model.norm`, `model.rotary_emb`,
-# `lm_head`) and only full or sliding-window attention is attempted, with a warning.
-VERIFIED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+# Model types proven span by span against transformers (tests/models/test_every_family.py lists every
+# type's outcome in docs/models.md). A type outside the table (a newer transformers) is attempted with
+# a warning once it passes every check here.
+VERIFIED_FAMILIES = EXACT
+SEE = "see docs/models.md for every model type and why"
 # Layer kinds whose cache is keys and values of every past token: the family's own forward builds
 # their masks (causal, windowed, chunked) from the cache's length.
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -228,7 +230,7 @@ class Checkpoint:
 def check_supported(config: PretrainedConfig) -> None:
     """Refuse what cannot be split into decoder blocks, naming the model type and what works."""
     kind = config.model_type
-    supported = f"supported decoder families: {', '.join(VERIFIED_FAMILIES)}"
+    supported = SEE
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"model type {kind!r} is an encoder-decoder model; only decoder-only models "
                                f"can be served by a swarm ({supported})")
@@ -244,8 +246,7 @@ def check_supported(config: PretrainedConfig) -> None:
         raise UnsupportedModel(f"model type {kind!r} uses layer kinds {unknown} that blocks cannot run yet; "
                                f"only {ATTENTION_KINDS} ({supported})")
     if kind not in VERIFIED_FAMILIES:
-        logger.warning("model type %r is not among the verified families (%s); trying it anyway",
-                       kind, ", ".join(VERIFIED_FAMILIES))
+        logger.warning("model type %r has not been checked against transformers (%s); trying it anyway", kind, SEE)
 
 
 def parallel_layer_lists(model: torch.nn.Module, n: int) -> list[str]:
