@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionLayer, get_layer_types_and_kwargs)
 
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
@@ -36,18 +37,43 @@ from swarm.span import Span
 
 logger = logging.getLogger(__name__)
 
+# Cache entry classes by layer kind. Attention kinds keep every past key and value (windows and chunks
+# come from the masks), so any earlier position can be returned to by cropping. Recurrent kinds keep a
+# state that cannot be cropped: rollback restores a copy taken at the end of an earlier step.
+CACHE_LAYERS = {
+    "full_attention": DynamicLayer, "sliding_attention": DynamicLayer, "chunked_attention": DynamicLayer,
+    "linear_attention": LinearAttentionLayer, "conv": LinearAttentionLayer,
+    "hybrid": LinearAttentionAndFullAttentionLayer, "hybrid_sliding": LinearAttentionAndFullAttentionLayer,
+    "dummy": DummyLayer,  # layers with no cache of their own (no attention, or one shared with another layer)
+}
+STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                "is_recurrent_states_initialized", "conv_kernel_size", "device", "dtype")
+SNAPSHOTS = 8  # recurrent states kept per session and span: rollback reaches back this many steps
+
+
 class SpanCache:
-    """One session's attention cache for one span: keys and values of every past token.
+    """One session's cache for one span: keys and values of every past token, and for recurrent layers
+    their state plus copies of it at the ends of the last `SNAPSHOTS` steps.
 
     The cache has an entry for every block of the model, as the family's forward expects: the span's
-    blocks have their own; every other entry is the first span block's, so that whatever the
-    family asks of "the cache" (its length, mask sizes) is the span's."""
+    blocks have their own; every other entry stands in for its kind (the span's first layer of the same
+    kind, or a length-only layer), so that whatever the family asks of "the cache" (its length, mask
+    sizes, whether a recurrent state exists) is the span's."""
 
-    def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None):
+    def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
+                 kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None):
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
-        self.kv = span_kv(span, num_blocks or span.end)
+        n = num_blocks or span.end
+        kinds = list(kinds) if kinds is not None else ["full_attention"] * n
+        counts = list(state_counts) if state_counts is not None else [1] * n
+        self.kinds = kinds
+        self.clock = DynamicLayer()  # holds only the length: zeros [batch, 1, length, 1]
+        own = {i: _cache_layer(kinds[i], counts[i]) for i in span}
+        self.kv = span_kv(span, n, own, kinds, self.clock)
+        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer)]
+        self.snapshots: dict[int, list[dict]] = {}
 
     @property
     def own(self) -> list:
@@ -55,28 +81,94 @@ class SpanCache:
 
     @property
     def length(self) -> int:
-        return self.kv.layers[self.span.start].get_seq_length()
+        return self.clock.get_seq_length()
+
+    def advance(self, tokens: int) -> None:
+        """Record that a step of `tokens` tokens ran (after it succeeded)."""
+        zeros = torch.zeros(self.batch_size, 1, tokens, 1)
+        self.clock.update(zeros, zeros)
+        if self.stateful:
+            self.snapshots[self.length] = [_state_of(layer) for layer in self.stateful]
+            for old in sorted(self.snapshots)[:-SNAPSHOTS]:
+                del self.snapshots[old]
 
     def rollback(self, position: int) -> None:
         """Forget every token at `position` and after."""
         if not 0 <= position <= self.length:
             raise BadRequest(f"cannot roll the cache of span {self.span} back to {position}: it holds {self.length}")
         drop = self.length - position
-        if drop:
-            for layer in self.own:
-                layer.crop(-drop)  # a negative count drops that many tokens from the end
+        if not drop:
+            return
+        if self.stateful and position and position not in self.snapshots:
+            raise BadRequest(f"blocks {self.span}: recurrent state can return only to the ends of the last "
+                             f"{SNAPSHOTS} steps ({sorted(self.snapshots)}), not to {position}; replay from 0")
+        for layer in self.own:
+            if isinstance(layer, DynamicLayer):
+                DynamicLayer.crop(layer, -drop)  # a negative count drops that many tokens from the end
+        DynamicLayer.crop(self.clock, -drop)
+        for i, layer in enumerate(self.stateful):
+            if position:
+                _restore(layer, self.snapshots[position][i])
+            else:
+                layer.reset()
+        for later in [p for p in self.snapshots if p > position]:
+            del self.snapshots[later]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.own
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+        tensors = [t for layer in self.own for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+        tensors += [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
+                    for t in states.values()]
+        tensors += [t for snap in self.snapshots.values() for state in snap
+                    for states in (state["conv_states"], state["recurrent_states"]) for t in states.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def span_kv(span: Span, num_blocks: int, layers: dict | None = None) -> DynamicCache:
-    """A cache with an entry per block: `layers` (default: fresh ones) for the span's blocks, the first of
-    them everywhere else."""
-    own = layers or {i: DynamicLayer() for i in span}
+def _cache_layer(kind: str, states: int):
+    cls = CACHE_LAYERS.get(kind)
+    if cls is None:
+        raise BadRequest(f"no cache for layer kind {kind!r}")
+    return cls(number_of_states=states) if issubclass(cls, LinearAttentionLayer) else cls()
+
+
+def _state_of(layer) -> dict:
+    state = {}
+    for field in STATE_FIELDS:
+        value = getattr(layer, field)
+        state[field] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()} \
+            if isinstance(value, dict) else value
+    return state
+
+
+def _restore(layer, state: dict) -> None:
+    for field, value in state.items():
+        setattr(layer, field, {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
+                if isinstance(value, dict) else value)
+
+
+def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | None = None,
+            clock: DynamicLayer | None = None) -> DynamicCache:
+    """A cache with an entry per block: `layers` for the span's blocks; every other entry is the span's first
+    layer of the same family of kinds (attention or recurrent), else `clock` (length only) for attention
+    kinds and an empty recurrent layer for recurrent ones."""
+    kinds = list(kinds) if kinds is not None else ["full_attention"] * num_blocks
+    recurrent = [layers[i] for i in span if isinstance(layers[i], LinearAttentionLayer)]
+    attention = [layers[i] for i in span if isinstance(layers[i], DynamicLayer)]
+    spare_recurrent = None
+    entries = []
+    for i in range(num_blocks):
+        if i in layers:
+            entries.append(layers[i])
+        elif kinds[i] == "dummy":
+            entries.append(DummyLayer())
+        elif issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), LinearAttentionLayer) and \
+                not issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), DynamicLayer):
+            if not recurrent and spare_recurrent is None:
+                spare_recurrent = LinearAttentionLayer()
+            entries.append(recurrent[0] if recurrent else spare_recurrent)
+        else:
+            entries.append(attention[0] if attention else (clock or layers[span.start]))
     kv = DynamicCache()
-    kv.layers = [own.get(i, own[span.start]) for i in range(num_blocks)]
+    kv.layers = entries
     return kv
 
 
@@ -108,6 +200,10 @@ class SpanBlocks(torch.nn.Module):
                                    shared=shared)
         self.config = ckpt.text_config
         self._hidden_size = ckpt.hidden_size
+        kinds, per_layer = get_layer_types_and_kwargs(ckpt.text_config)
+        self.cache_kinds = list(kinds)
+        self.state_counts = [kw.get("number_of_states", 1) for kw in per_layer]
+        self.recurrent = any(issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), LinearAttentionLayer) for i in span)
         self.layers = torch.nn.ModuleList(layers[i] for i in span)
         self.outside = self.frame.model  # not a submodule: its only weights here are the layers'
         self._entries: dict[Span, torch.nn.ModuleList] = {}
@@ -132,7 +228,7 @@ class SpanBlocks(torch.nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self, batch_size: int, max_length: int, span: Span | None = None) -> SpanCache:
-        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks)
+        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds, self.state_counts)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,
@@ -156,7 +252,10 @@ class SpanBlocks(torch.nn.Module):
         position_ids = self._position_ids(batch, new_tokens, position, attention_mask)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device, torch.bool)
-        return self._run(run, hidden, kv, position_ids, attention_mask)
+        out = self._run(run, hidden, kv, position_ids, attention_mask)
+        if cache is not None:
+            cache.advance(new_tokens)
+        return out
 
     @torch.inference_mode()
     def decode_batch(self, items: Sequence[tuple[SpanCache, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
@@ -180,6 +279,8 @@ class SpanBlocks(torch.nn.Module):
             lengths.append(cache.length)
         if len({id(cache) for cache, _, _ in items}) != len(items):
             raise BadRequest(f"blocks {self.span}: a batch holds two steps of one session")
+        if any(cache.stateful for cache, _, _ in items):  # recurrent states are not merged: one step each
+            return [self(hidden, cache, cache.length, mask) for cache, hidden, mask in items]
         longest = max(lengths)
         sizes = [hidden.shape[0] for _, hidden, _ in items]
         rows = sum(sizes)
@@ -196,7 +297,7 @@ class SpanBlocks(torch.nn.Module):
         if longest:
             for i in run:
                 temp[i].update(*self._padded(items, lengths, sizes, longest, i))
-        kv = span_kv(run, self.num_blocks, temp)
+        kv = span_kv(run, self.num_blocks, temp, self.cache_kinds)
         out = self._run(run, hidden, kv, position_ids, mask)
 
         # Only now, with the forward done, does any session cache change: each gets its rows' new token.
@@ -206,6 +307,8 @@ class SpanBlocks(torch.nn.Module):
             for (cache, _, _), size in zip(items, sizes):
                 cache.kv.update(new_keys[r:r + size], new_values[r:r + size], i)
                 r += size
+        for cache, _, _ in items:
+            cache.advance(1)
         return list(out.split(sizes))
 
     def _padded(self, items, lengths: list[int], sizes: list[int], longest: int,
@@ -248,7 +351,7 @@ class SpanBlocks(torch.nn.Module):
         if isinstance(entry, LayerSlot):
             return entry
         slot = LayerSlot(i, entry)  # a served block left out of this call: it passes through
-        slot.returns_tensor = self.frame.returns_tensor
+        slot.returns = self.frame.returns
         self._slots[i] = slot
         return slot
 

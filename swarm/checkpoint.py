@@ -30,18 +30,22 @@ from transformers.core_model_loading import (WeightConverter, WeightRenaming, co
 from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
-from swarm.families import EXACT
+from swarm import families
 
 logger = logging.getLogger(__name__)
 
 # Model types proven span by span against transformers (tests/models/test_every_family.py lists every
 # type's outcome in docs/models.md). A type outside the table (a newer transformers) is attempted with
 # a warning once it passes every check here.
-VERIFIED_FAMILIES = EXACT
+VERIFIED_FAMILIES = families.EXACT
 SEE = "see docs/models.md for every model type and why"
 # Layer kinds whose cache is keys and values of every past token: the family's own forward builds
 # their masks (causal, windowed, chunked) from the cache's length.
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# Kinds whose cache is a recurrent state (state-space, linear attention, convolutions; hybrids hold both),
+# kept per session with copies at step ends for rollback; and layers with no cache of their own.
+RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+LAYER_KINDS = ATTENTION_KINDS + RECURRENT_KINDS + ("dummy",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,7 +63,7 @@ class ModelLayout:
 
     layers_path: str  # attribute path of the decoder layer list in the causal-LM model, e.g. "model.layers"
     layer_types: tuple[str, ...]  # attention kind of every block, in ATTENTION_KINDS
-    returns_tensor: bool  # the family's loop takes a layer's output as is (else it takes `output[0]`)
+    returns: str  # how the family's loop takes a layer's output: tensor, tuple (output[0]) or pair
     embed_dim: int  # width of the token embeddings (before any projection into the layers)
     head_modules: frozenset[str]  # modules the client's head calls: embedding, final norm, LM head, ...
     peer_modules: frozenset[str]  # modules a span's forward calls outside its layers (rotary, ...)
@@ -154,15 +158,26 @@ class Checkpoint:
             raise UnsupportedModel(f"model type {self.model_type!r}: its input embeddings are "
                                    f"{type(embeddings).__name__}, not a token embedding table")
         try:
-            probe = frames.probe(skel, path, shadows, embeddings.embedding_dim, self.hidden_size)
+            from swarm.span import Span
+
+            probe = frames.probe(skel, path, shadows, embeddings.embedding_dim, self.hidden_size,
+                                 span_cache=lambda: self._session_cache(Span(0, n)).kv)
         except UnsupportedModel as exc:
             raise UnsupportedModel(f"model type {self.model_type!r}: {exc}") from exc
         except Exception as exc:  # any failure of the family's own code around empty slots
             raise UnsupportedModel(f"model type {self.model_type!r}: its forward cannot run around a span of "
                                    f"layers ({type(exc).__name__}: {str(exc)[:200]})") from exc
         return ModelLayout(layers_path=path, layer_types=layer_types(self.text_config),
-                           returns_tensor=probe.returns_tensor, embed_dim=embeddings.embedding_dim,
+                           returns=probe.returns, embed_dim=embeddings.embedding_dim,
                            head_modules=frozenset(probe.head_modules), peer_modules=frozenset(probe.peer_modules))
+
+    def _session_cache(self, span, batch: int = 1):
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        from swarm.blocks import SpanCache
+
+        kinds, per_layer = get_layer_types_and_kwargs(self.text_config)
+        return SpanCache(span, batch, 16, self.num_blocks, kinds, [kw.get("number_of_states", 1) for kw in per_layer])
 
     def model_key(self, name: str) -> str:
         """The model's name for checkpoint tensor `name`, by transformers' own key mapping (legacy
@@ -241,10 +256,20 @@ def check_supported(config: PretrainedConfig) -> None:
                                f"({supported})")
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModel(f"model type {kind!r} with bidirectional attention is not supported ({supported})")
-    unknown = sorted(set(layer_types(config.get_text_config(decoder=True))) - set(ATTENTION_KINDS))
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    try:
+        cache_kinds = get_layer_types_and_kwargs(text)[0]
+    except Exception:  # noqa: BLE001 - a config transformers' cache cannot read: judged by layer_types alone
+        cache_kinds = list(layer_types(text))
+    unknown = sorted(set(cache_kinds) - set(LAYER_KINDS))
     if unknown:
         raise UnsupportedModel(f"model type {kind!r} uses layer kinds {unknown} that blocks cannot run yet; "
-                               f"only {ATTENTION_KINDS} ({supported})")
+                               f"only {LAYER_KINDS} ({supported})")
+    if kind in families.INEXACT:
+        raise UnsupportedModel(f"model type {kind!r} is not computed exactly in spans: {families.INEXACT[kind]} "
+                               f"({supported})")
     if kind not in VERIFIED_FAMILIES:
         logger.warning("model type %r has not been checked against transformers (%s); trying it anyway", kind, SEE)
 

@@ -83,7 +83,7 @@ class LayerSlot(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "_shadow", shadow)  # not registered: its (meta) weights are not ours
         self.slot_index = index
-        self.returns_tensor = True  # set by the frame that holds the slot
+        self.returns = "tensor"  # the family loop's convention, set by the frame that holds the slot
 
     def __getattr__(self, name: str):
         try:
@@ -102,39 +102,41 @@ class LayerSlot(torch.nn.Module):
                 hidden = plan.hidden
             if plan.leave is self:
                 raise _Leave(hidden)
-        return hidden if self.returns_tensor else (hidden,)
+        if self.returns == "tensor":
+            return hidden
+        return (hidden,) if self.returns == "tuple" else (hidden, None)
 
 
 class Frame:
     """The family's causal-LM instance with its layer list replaced by `entries` (real layers or slots)."""
 
     def __init__(self, model: torch.nn.Module, layers_path: str, entries: list[torch.nn.Module],
-                 returns_tensor: bool = True):
+                 returns: str = "tensor"):
         self.model = model
         self.layers_path = layers_path
-        self._returns_tensor = returns_tensor
+        self._returns = returns
         self._lock = threading.Lock()
         parent, attr = _parent(model, layers_path)
         setattr(parent, attr, torch.nn.ModuleList(entries))
         self.entries = getattr(parent, attr)
         for entry in self.entries:
             if isinstance(entry, LayerSlot):
-                entry.returns_tensor = returns_tensor
+                entry.returns = returns
             else:
                 hook_layer(entry)
         self.decoder = decoder_of(model, self.entries)
         self._params: dict[int, tuple[str, set]] = {}
 
     @property
-    def returns_tensor(self) -> bool:
-        return self._returns_tensor
+    def returns(self) -> str:
+        return self._returns
 
-    @returns_tensor.setter
-    def returns_tensor(self, value: bool) -> None:
-        self._returns_tensor = value
+    @returns.setter
+    def returns(self, value: str) -> None:
+        self._returns = value
         for entry in self.entries:
             if isinstance(entry, LayerSlot):
-                entry.returns_tensor = value
+                entry.returns = value
 
     def use(self, entries: torch.nn.ModuleList) -> None:
         """Put `entries` in as the family's layer list (one per block)."""
@@ -240,13 +242,13 @@ def get_path(model: torch.nn.Module, path: str):
 
 @dataclass
 class Probe:
-    returns_tensor: bool
+    returns: str
     head_modules: set[str]
     peer_modules: set[str]
 
 
 def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Module], embed_dim: int,
-          hidden_size: int) -> Probe:
+          hidden_size: int, span_cache=None) -> Probe:
     """Run the family's forward on `skeleton` (emptied of its layers, its other weights random) the
     three ways a swarm does: to the embeddings the first layer gets, from outside hidden states at a
     peer, and from hidden states to logits. Returns the loop's output convention and which modules
@@ -277,19 +279,30 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
             handle.remove()
         return seen
 
-    embed = called(lambda: frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids))
+    embed = called(lambda: frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids,
+                                      use_cache=False))
+    # A span's call, with the cache a session would have: a family that wants a cache of its own is found here.
     peer = called(lambda: frame.call(Plan(capture=slots[0]), decoder=True, inputs_embeds=torch.zeros(1, 2, embed_dim),
-                                     position_ids=position_ids))
-    # The loop's convention: slots return tuples here; if the next slot gets a tuple, the loop takes
-    # outputs as they are (tensors); if it gets a tensor, the loop took `output[0]`.
-    frame.returns_tensor = False
-    plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size), capture=slots[1] if len(slots) > 1 else None)
-    frame.call(plan, inputs_embeds=torch.zeros(1, 2, embed_dim), position_ids=position_ids)
-    frame.returns_tensor = len(slots) == 1 or not isinstance(plan.seen[1], torch.Tensor)
+                                     position_ids=position_ids, cache=span_cache() if span_cache else None,
+                                     use_cache=span_cache is not None))
+    # The loop's convention for a layer's output: a tensor, a 1-tuple, or (hidden states, attention
+    # weights). The first under which the next slot gets hidden states of the right shape is the family's.
+    for convention in ("tensor", "tuple", "pair"):
+        frame.returns = convention
+        plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size),
+                    capture=slots[1] if len(slots) > 1 else None)
+        try:
+            frame.call(plan, inputs_embeds=torch.zeros(1, 2, embed_dim), position_ids=position_ids, use_cache=False)
+        except Exception:  # noqa: BLE001 - not this convention
+            if convention == "pair":
+                raise
+            continue
+        if len(slots) == 1 or (isinstance(plan.seen[1], torch.Tensor) and plan.seen[1].shape == (1, 2, hidden_size)):
+            break
     tail_plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size))
     out = {}
     tail = called(lambda: out.update(logits=_logits(frame.call(tail_plan, inputs_embeds=torch.zeros(1, 2, embed_dim),
-                                                                position_ids=position_ids))))
+                                                                position_ids=position_ids, use_cache=False))))
     if out["logits"] is None or out["logits"].shape[:2] != (1, 2):
         raise TypeError(f"the forward gave no logits for 2 positions (got {out['logits']!r:.80})")
     if len(tail_plan.seen) != len(slots):
@@ -297,7 +310,7 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
 
         raise UnsupportedModel(f"its forward runs {len(tail_plan.seen)} layer calls for {len(slots)} layers (layers "
                                "looped or skipped), so a span's output is not what the next span takes")
-    return Probe(returns_tensor=frame.returns_tensor, head_modules=embed | tail, peer_modules=peer)
+    return Probe(returns=frame.returns, head_modules=embed | tail, peer_modules=peer)
 
 
 def _logits(output):
@@ -341,7 +354,7 @@ def build(ckpt, dtype: torch.dtype, device: torch.device, blocks=(), modules=fro
             for bname, buf in list(sub._buffers.items()):
                 if buf is not None and buf.device.type == "meta":
                     sub._buffers[bname] = torch.empty_like(buf, device="cpu")
-    frame = Frame(skel, layout.layers_path, entries, layout.returns_tensor)
+    frame = Frame(skel, layout.layers_path, entries, layout.returns)
     with torch.no_grad():
         skel.initialize_weights()  # computed buffers (rotary tables, embedding scales), as from_pretrained does
         if tie:
