@@ -210,3 +210,27 @@ def test_a_sub_span_of_served_blocks_runs_like_its_own_span(family, tiny_checkpo
     torch.testing.assert_close(served(x, span=sub), alone(x), atol=1e-5, rtol=1e-5)
     with pytest.raises(BadRequest, match="not within"):
         alone(x, span=Span(0, 3))
+
+
+@torch.inference_mode()
+def test_recurrent_state_rolls_back_to_kept_step_ends_only(tmp_path):
+    """A recurrent span keeps its state at the ends of the last steps: rolling back to one of them, or to
+    0, is exact; to anywhere else it is a typed refusal that leaves the cache as it was."""
+    from family_harness import build
+
+    from swarm.blocks import SNAPSHOTS
+
+    path = build("mamba2", tmp_path / "ckpt")
+    blocks = SpanBlocks(path, Span(0, 6))
+    hidden = torch.randn(1, 14, blocks.hidden_size, generator=torch.Generator().manual_seed(5))
+    cache = blocks.new_cache(1, 32)
+    outs = [blocks(hidden[:, i:i + 1], cache, i) for i in range(12)]
+    assert sorted(cache.snapshots) == list(range(13 - SNAPSHOTS, 13))
+    with pytest.raises(BadRequest, match="recurrent state"):
+        blocks(hidden[:, 2:3], cache, 2)
+    assert cache.length == 12
+    again = blocks(hidden[:, 9:10], cache, 9)  # back to the end of step 9, then the same token
+    assert torch.allclose(again, outs[9], atol=1e-5)
+    fresh = blocks.new_cache(1, 32)
+    first = blocks(hidden[:, 0:1], fresh, 0)
+    assert torch.allclose(blocks(hidden[:, 0:1], cache, 0), first, atol=1e-5)  # back to the start
