@@ -63,8 +63,11 @@ class ModelHead(torch.nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The family's logits of the last layer's hidden states: final norm, LM head and whatever it
-        applies after them."""
+        """The family's logits of the last layer's hidden states [..., hidden] (any leading shape): final
+        norm, LM head and whatever it applies after them."""
+        if hidden.ndim != 3:  # e.g. the last position of each sequence, [batch, hidden]
+            lead = hidden.shape[:-1]
+            return self.logits(hidden.reshape(1, -1, hidden.shape[-1])).reshape(*lead, -1)
         hidden = hidden.to(self.device, self.dtype)
         batch, tokens, _ = hidden.shape
         out = self.frame.call(Plan(enter=self.slot, hidden=hidden),

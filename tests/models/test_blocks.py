@@ -234,3 +234,12 @@ def test_recurrent_state_rolls_back_to_kept_step_ends_only(tmp_path):
     fresh = blocks.new_cache(1, 32)
     first = blocks(hidden[:, 0:1], fresh, 0)
     assert torch.allclose(blocks(hidden[:, 0:1], cache, 0), first, atol=1e-5)  # back to the start
+
+
+@torch.inference_mode()
+def test_head_logits_take_any_leading_shape(tiny_checkpoint):
+    head = ModelHead(tiny_checkpoint("gemma3_text"))
+    hidden = torch.randn(3, 4, head.hidden_size, generator=torch.Generator().manual_seed(2))
+    full = head.logits(hidden)
+    assert full.shape == (3, 4, head.vocab_size)
+    assert torch.allclose(head.logits(hidden[:, -1]), full[:, -1], atol=1e-6)
