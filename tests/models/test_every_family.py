@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 from family_harness import check, model_types
 
-from swarm.families import EXACT
+from swarm.checkpoint import Checkpoint
+from swarm.errors import UnsupportedModel
+from swarm.families import EXACT, INEXACT
 
 pytestmark = pytest.mark.models
 
@@ -19,8 +21,13 @@ pytestmark = pytest.mark.models
 @pytest.mark.parametrize("model_type", model_types())
 def test_served_exactly_or_refused_with_a_reason(model_type, tmp_path):
     outcome = check(model_type, tmp_path / "ckpt")
-    assert outcome.result in ("exact", "refused", "unchecked"), \
+    assert outcome.result in ("exact", "inexact", "refused", "unchecked"), \
         f"{model_type}: {outcome.result}: {outcome.detail}"
+    # Measured inexact exactly where the table says so; the table makes the real checks refuse it.
+    assert (outcome.result == "inexact") == (model_type in INEXACT), f"{model_type}: {outcome.result}"
+    if outcome.result == "inexact":
+        with pytest.raises(UnsupportedModel, match=f"{model_type}.*not computed exactly"):
+            Checkpoint(tmp_path / "ckpt")
     if model_type in EXACT:
         assert outcome.result == "exact", f"{model_type} is listed as exact but is {outcome.result}: {outcome.detail}"
     else:
