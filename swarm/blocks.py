@@ -207,7 +207,7 @@ class SpanBlocks(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers[i] for i in span)
         self.outside = self.frame.model  # not a submodule: its only weights here are the layers'
         self._entries: dict[Span, torch.nn.ModuleList] = {}
-        self._slots = [e for e in self.frame.entries]
+        self._slots = list(self.frame.entries)
         self.requires_grad_(False)
         self.eval()
         logger.info("loaded blocks %s of %s (%s, %.1fM parameters%s) in %.1f s", span, ckpt.model_type,

@@ -20,7 +20,6 @@ Used by `tests/models/test_every_family.py` and by `benchmarks/model_coverage.py
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
 import time
@@ -325,4 +324,3 @@ def run_all(root: Path, types: list[str] | None = None, progress=None) -> list[O
     return out
 
 
-__all__ = ["Outcome", "check", "run_all", "model_types", "tiny_config", "copy"]
