@@ -89,7 +89,7 @@ class StepTimer:
             before = wire.traffic()
             reply = await calls.info(self.node, peer)
             after = wire.traffic()
-            snap.peers[peer] = dict(reply.get("wire_bytes") or {"sent": 0, "received": 0})
+            snap.peers[peer] = dict(reply.wire_bytes or {"sent": 0, "received": 0})
             snap.info_reply[peer] = after["received"] - before["received"]
             snap.info_request = after["sent"] - before["sent"]
         snap.client = wire.traffic()

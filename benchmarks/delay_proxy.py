@@ -12,14 +12,16 @@ Invariants:
   memory is bounded and TCP backpressure reaches the sender;
 - an end of stream is passed on as a half-close after the bytes before it; an error on either side
   closes both sides; `aclose` closes every listener and connection;
-- the delay may change while connections are open: chunks already waiting keep theirs.
+- the delay may change while connections are open: chunks already waiting keep theirs;
+- with a rate (`rate_mbit`, 0: none), each direction of a connection is a link of that bandwidth: a chunk
+  starts to cross when the one before it has crossed, takes its size / rate, then the delay.
 
 As a script (one process serving many forwards; LISTEN 0 takes any free port):
 
-    python benchmarks/delay_proxy.py --rtt-ms 20 LISTEN:TARGET [LISTEN:TARGET ...] [--control]
+    python benchmarks/delay_proxy.py --rtt-ms 20 [--rate-mbit 100] LISTEN:TARGET [LISTEN:TARGET ...] [--control]
 
 prints `forward 127.0.0.1:LISTEN -> 127.0.0.1:TARGET` per forward, then `ready`. With `--control` it
-reads commands on stdin (`rtt MS`, `stats`: one JSON line) and exits at their end; otherwise it runs
+reads commands on stdin (`rtt MS`, `rate MBIT`, `stats`: one JSON line) and exits at their end; otherwise it runs
 until SIGINT or SIGTERM. `ProxyProcess` drives such a process from Python.
 """
 
@@ -65,10 +67,12 @@ class Forward:
 class DelayProxy:
     """`async with DelayProxy(rtt_ms=20) as proxy: fwd = await proxy.add(0, target_port)`."""
 
-    def __init__(self, rtt_ms: float = 0.0, host: str = "127.0.0.1", max_in_flight: int = MAX_IN_FLIGHT):
-        if rtt_ms < 0 or max_in_flight < CHUNK:
-            raise ValueError(f"rtt_ms must be >= 0 (got {rtt_ms}) and max_in_flight >= {CHUNK} (got {max_in_flight})")
-        self.rtt_ms, self.host, self.max_in_flight = rtt_ms, host, max_in_flight
+    def __init__(self, rtt_ms: float = 0.0, host: str = "127.0.0.1", max_in_flight: int = MAX_IN_FLIGHT,
+                 rate_mbit: float = 0.0):
+        if rtt_ms < 0 or max_in_flight < CHUNK or rate_mbit < 0:
+            raise ValueError(f"rtt_ms and rate_mbit must be >= 0 (got {rtt_ms}, {rate_mbit}) and max_in_flight "
+                             f">= {CHUNK} (got {max_in_flight})")
+        self.rtt_ms, self.host, self.max_in_flight, self.rate_mbit = rtt_ms, host, max_in_flight, rate_mbit
         self.forwards: list[Forward] = []
         self._conns: set[asyncio.Task] = set()
 
@@ -86,7 +90,7 @@ class DelayProxy:
         return fwd
 
     def stats(self) -> dict:
-        return {"rtt_ms": self.rtt_ms, "forwards": [f.stats() for f in self.forwards]}
+        return {"rtt_ms": self.rtt_ms, "rate_mbit": self.rate_mbit, "forwards": [f.stats() for f in self.forwards]}
 
     async def aclose(self) -> None:
         for fwd in self.forwards:
@@ -140,6 +144,7 @@ class DelayProxy:
         pending: collections.deque[tuple[float, bytes]] = collections.deque()
         room, done = asyncio.Event(), loop.create_future()
         waiting = 0
+        free_at = 0.0  # when the link has sent everything before (with a rate)
 
         def flush() -> None:
             nonlocal waiting
@@ -159,10 +164,13 @@ class DelayProxy:
             room.set()
 
         async def read() -> None:
-            nonlocal waiting
+            nonlocal waiting, free_at
             while True:
                 data = await reader.read(CHUNK)
-                due = loop.time() + self.rtt_ms / 2e3
+                sent = loop.time()
+                if self.rate_mbit > 0:
+                    free_at = sent = max(sent, free_at) + len(data) * 8 / (self.rate_mbit * 1e6)
+                due = sent + self.rtt_ms / 2e3
                 pending.append((due, data))
                 if due <= loop.time():
                     flush()
@@ -185,9 +193,10 @@ class ProxyProcess:
 
     A process of its own, so the proxy's event loop never waits on the caller's interpreter lock."""
 
-    def __init__(self, targets: list[int], rtt_ms: float = 0.0, timeout: float = 30.0):
+    def __init__(self, targets: list[int], rtt_ms: float = 0.0, timeout: float = 30.0, rate_mbit: float = 0.0):
         self.popen = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--rtt-ms", str(rtt_ms), "--control",
+            [sys.executable, str(Path(__file__).resolve()), "--rtt-ms", str(rtt_ms), "--rate-mbit", str(rate_mbit),
+             "--control",
              *(f"0:{t}" for t in targets)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.ports: dict[int, int] = {}  # target port -> listening port
         self._out: queue.Queue[str | None] = queue.Queue()
@@ -226,6 +235,9 @@ class ProxyProcess:
     def set_rtt(self, rtt_ms: float) -> None:
         self._ask(f"rtt {rtt_ms}")
 
+    def set_rate(self, rate_mbit: float) -> None:
+        self._ask(f"rate {rate_mbit}")
+
     def stats(self) -> dict:
         return json.loads(self._ask("stats"))
 
@@ -255,17 +267,20 @@ async def _control(proxy: DelayProxy) -> None:
         if cmd[:1] == ["rtt"] and len(cmd) == 2:
             proxy.rtt_ms = max(0.0, float(cmd[1]))
             print(f"rtt {proxy.rtt_ms:g}", flush=True)
+        elif cmd[:1] == ["rate"] and len(cmd) == 2:
+            proxy.rate_mbit = max(0.0, float(cmd[1]))
+            print(f"rate {proxy.rate_mbit:g}", flush=True)
         elif cmd == ["stats"]:
             print(json.dumps(proxy.stats()), flush=True)
         else:
-            print(f"error: unknown command {line.strip()!r} (rtt MS | stats)", flush=True)
+            print(f"error: unknown command {line.strip()!r} (rtt MS | rate MBIT | stats)", flush=True)
 
 
 async def _main(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    async with DelayProxy(args.rtt_ms) as proxy:
+    async with DelayProxy(args.rtt_ms, rate_mbit=args.rate_mbit) as proxy:
         for pair in args.forwards:
             listen, target = (int(p) for p in pair.split(":"))
             fwd = await proxy.add(listen, target)
@@ -283,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("forwards", nargs="+", metavar="LISTEN:TARGET", help="ports on 127.0.0.1 (LISTEN 0: any free)")
     ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to every connection")
+    ap.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth of each direction of each connection, "
+                    "in Mbit/s (0: unlimited)")
     ap.add_argument("--control", action="store_true", help="read commands on stdin; exit at its end")
     asyncio.run(_main(ap.parse_args(argv)))
 

@@ -103,7 +103,7 @@ def run(counts: list[int], steps: int, rounds: int) -> dict[int, tuple[float, fl
         with LoopThread() as lt:
             async def main() -> dict[int, tuple[float, float]]:
                 async with Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True) as node:
-                    hidden_size = (await peer_client.info(node, peer.peer_id))["hidden_size"]
+                    hidden_size = (await peer_client.info(node, peer.peer_id)).hidden_size
                     results = {}
                     for n in counts:
                         before = scrape(url)

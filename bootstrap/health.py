@@ -31,6 +31,7 @@ from typing import Any
 
 from swarm.records import Announcement
 from swarm.transport import describe_peer
+from swarm.wire import Info
 
 SCHEMA_VERSION = 1
 FORGET_AFTER = 3600.0  # seconds a model with no record left stays on the page (all red)
@@ -43,7 +44,7 @@ class Ping:
     """The answer of one peer to an info call: its round trip, and the reply's fields."""
 
     latency_ms: float
-    info: Mapping[str, Any]
+    info: Info
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class PeerView:
     version: str
     latency_ms: float | None  # round trip of the info call; None when not pinged or no answer
     record_age_s: float  # seconds since the peer issued its record
+    device: str = "cpu"  # device kind, dtype and weight format it computes in (info reply, else record)
+    dtype: str = "float32"
+    quant: str = "none"
 
 
 @dataclass(frozen=True)
@@ -104,17 +108,11 @@ class Snapshot:
                    len(m.uncovered), {"model": m.model})
 
 
-def _as_int(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
-
-
 def confirms(ann: Announcement, ping: Ping | None) -> bool:
     """Whether `ping` answered for what `ann` announces: the info reply names its model and span."""
     if ping is None:
         return False
-    info = ping.info
-    said = (info.get("model"), _as_int(info.get("start")), _as_int(info.get("end")))
-    return said == (ann.model, ann.start, ann.end)
+    return (ping.info.model, ping.info.start, ping.info.end) == (ann.model, ann.start, ann.end)
 
 
 def peer_view(ann: Announcement, ping: Ping | None, now: float) -> PeerView:
@@ -122,15 +120,15 @@ def peer_view(ann: Announcement, ping: Ping | None, now: float) -> PeerView:
         state = ann.state
     else:
         state = "online" if confirms(ann, ping) else "unreachable"
-    info = ping.info if state == "online" else {}
-    cache_left = _as_int(info.get("cache_tokens_left"))
-    live = info.get("throughput")
-    throughput = float(live) if type(live) in (int, float) and math.isfinite(live) and live >= 0 else ann.throughput
-    return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, throughput,
-                    ann.cache_tokens_left if cache_left is None else cache_left, _as_int(info.get("sessions")),
-                    _as_int(info.get("queued")),
-                    ann.version, round(ping.latency_ms, 2) if state == "online" else None,
-                    round(max(0.0, now - ann.issued_at), 1))
+    dtype, quant = ann.weights
+    if state != "online":
+        return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, ann.throughput,
+                        ann.cache_tokens_left, None, None, ann.version, None, round(max(0.0, now - ann.issued_at), 1),
+                        ann.device or "cpu", dtype, quant)
+    info = ping.info  # checked by its decode: types and ranges
+    return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, info.throughput,
+                    info.cache_tokens_left, info.sessions, info.queued, ann.version, round(ping.latency_ms, 2),
+                    round(max(0.0, now - ann.issued_at), 1), info.device, info.dtype, info.quant)
 
 
 def model_view(model: str, num_blocks: int, peers: Sequence[PeerView]) -> ModelView:

@@ -414,6 +414,7 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     from swarm.checkpoint import Checkpoint
     from swarm.head import ModelHead
     from swarm.identity import Identity
+    from swarm.precision import Precision
     from swarm.records import default_model_id
     from swarm.transport import Node
 
@@ -422,7 +423,8 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     loop = asyncio.get_running_loop()
     ckpt = await loop.run_in_executor(None, Checkpoint, path)
     model_id = client_config.model_id or default_model_id(path)
-    head = await loop.run_in_executor(None, lambda: ModelHead(ckpt, dtype=client_config.dtype))
+    where = Precision.of(client_config.device, client_config.dtype)
+    head = await loop.run_in_executor(None, lambda: ModelHead(ckpt, dtype=where.dtype, device=where.device))
     tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
     generation_config = GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").exists() \
         else None

@@ -59,6 +59,10 @@ def register_status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda args: _load("run_status")(args))
 
 
+# the fastest format that meets the quality targets on the demo model (docs/benchmarks.md, "Precision")
+DEMO_DTYPE, DEMO_QUANT = "auto", "int8"
+
+
 def register_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -71,7 +75,10 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the prepared demo model)")
     p.add_argument("--peers", type=int, default=3, help="how many peers to start (the blocks are split among them)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=DEMO_DTYPE, choices=["auto", "float32", "bfloat16", "float16"],
+                   help=f"the peers' dtype (default: {DEMO_DTYPE}; see docs/operations.md)")
+    p.add_argument("--quant", default=DEMO_QUANT, choices=["none", "int8", "nf4"],
+                   help=f"the peers' weight format (default: {DEMO_QUANT})")
     _generation_options(p, 96)
     p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args))
 

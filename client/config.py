@@ -6,15 +6,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from swarm.config import check_dtype, check_port, check_positive, option
+from swarm.config import check_port, check_positive, option
 from swarm.errors import ConfigError
+from swarm.precision import DTYPES, PRECISIONS
+from swarm.wire import ENCODINGS
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     initial_peers: tuple[str, ...] = option((), help="multiaddrs of the bootstrap node or any peer of the swarm")
     model_id: str | None = option(None, help="the model's name in the swarm (default: the checkpoint directory name)")
-    dtype: str = option("float32", help="dtype of activations sent to peers: float32, bfloat16 or float16")
+    device: str = option("auto", help="where the client's embeddings and LM head compute: auto (a CUDA GPU if "
+                         "present, else Apple's MPS, else the CPU), cpu, cuda, cuda:N or mps")
+    dtype: str = option("float32", help="dtype of the client's embeddings and LM head: float32 (exact, the "
+                        "default), bfloat16, float16 or auto (as peers choose it)")
+    wire: str = option("auto", help="encoding of hidden states on the wire for decode steps: float32, float16, "
+                       "bfloat16, int8 (blockwise 8-bit), or auto (the route's peers' 16-bit dtype when they "
+                       "compute in 16 bits, bfloat16 when quantized, else float32)")
+    prefill_wire: str = option("auto", help="encoding for prompt chunks of --prefill-wire-tokens tokens or more: "
+                               "float32, float16, bfloat16, int8 (blockwise 8-bit), or auto (int8 when the route "
+                               "computes in 16 bits or quantized, else as --wire)")
+    prefill_wire_tokens: int = option(64, help="steps of at least this many tokens use --prefill-wire")
+    min_precision: str = option("nf4", help="route only through peers whose weights are at least this precise: "
+                                "nf4 (any), int8, 16bit or float32")
     refresh_interval: float = option(10.0, help="seconds a view of who serves what is reused before reading the "
                                      "DHT again")
     ping_timeout: float = option(2.0, help="seconds a peer may take to answer a ping before it counts as failed")
@@ -36,9 +50,18 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         positive = ("refresh_interval", "ping_timeout", "open_timeout", "step_timeout", "min_deadline",
-                    "deadline_factor", "ban_seconds", "slow_factor", "max_retries", "slow_steps")
+                    "deadline_factor", "ban_seconds", "slow_factor", "max_retries", "slow_steps",
+                    "prefill_wire_tokens")
         check_positive(self, positive)
-        check_dtype(self.dtype)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.wire not in ("auto",) + ENCODINGS:
+            raise ConfigError(f"--wire must be auto or one of {', '.join(ENCODINGS)}, not {self.wire!r}")
+        if self.prefill_wire not in ("auto",) + ENCODINGS:
+            raise ConfigError(f"--prefill-wire must be auto or one of {', '.join(ENCODINGS)}, not "
+                              f"{self.prefill_wire!r}")
+        if self.min_precision not in PRECISIONS:
+            raise ConfigError(f"--min-precision must be one of {', '.join(PRECISIONS)}, not {self.min_precision!r}")
         if not (math.isfinite(self.wait_for_blocks) and self.wait_for_blocks >= 0):
             raise ConfigError(f"--wait-for-blocks must be 0 or a number of seconds, not {self.wait_for_blocks}")
 

@@ -36,11 +36,13 @@ class SlowDetector:
 
 class Inputs:
     """The hidden states sent into one hop, positions [0, length), in a buffer that grows by doubling (up
-    to the session's max length): appending a token copies that token only, not the whole history."""
+    to the session's max length): appending a token copies that token only, not the whole history. Held in
+    float32, which holds the values of every wire encoding exactly."""
 
     def __init__(self, x: torch.Tensor, max_length: int):
         self.max_length = max_length
-        self.buf = x.new_empty(x.shape[0], min(max(2 * x.shape[1], 16), max_length), x.shape[2])
+        self.buf = x.new_empty(x.shape[0], min(max(2 * x.shape[1], 16), max_length), x.shape[2],
+                               dtype=torch.float32)
         self.length = 0
         self.append(x)
 

@@ -31,6 +31,7 @@ from client.session import Failover, InferenceSession
 from swarm.checkpoint import Checkpoint
 from swarm.errors import BadRequest
 from swarm.head import ModelHead
+from swarm.precision import Precision
 from swarm.records import default_model_id
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         given = {"initial_peers": tuple(initial_peers), "model_id": model_id, "dtype": dtype}
         config = dataclasses.replace(config or ClientConfig(), **{k: v for k, v in given.items() if v}, **options)
         model_id = config.model_id or default_model_id(model)
-        head = ModelHead(ckpt, dtype=config.dtype)
+        where = Precision.of(config.device, config.dtype)
+        head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
         connection = SwarmConnection(model_id, ckpt.num_blocks, config)
         try:
             self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Any
-
 import torch
 
 from swarm import wire
 from swarm.calls import MAX_REPLY_BYTES, exchange, info, raise_if_error
-from swarm.errors import ConnectionLost, ProtocolError, StepTimeout
+from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout
 from swarm.span import Span
 from swarm.transport import Node, Stream
 
@@ -26,39 +24,48 @@ __all__ = ["PeerSession", "forward", "info"]
 MAX_STALE_REPLIES = 8  # replies to earlier steps skipped while waiting for one step's output
 
 
-def _tensors(hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[wire.Blob, ...]:
-    return (wire.blob_of(hidden),) + ((wire.blob_of(mask),) if mask is not None else ())
+def _opened(reply: wire.Message, peer: str) -> wire.Opened:
+    if reply.type != wire.OPENED:
+        raise ProtocolError(f"peer {peer} answered 'open' with {reply.type!r}")
+    try:
+        return wire.Opened.from_message(reply)
+    except BadRequest as e:
+        raise ProtocolError(f"peer {peer} answered 'open' with a malformed reply: {e}") from None
+
+
+def _mask(mask: torch.Tensor | None) -> wire.Blob | None:
+    return None if mask is None else wire.blob_of(mask)
 
 
 class PeerSession:
     """An inference session with one peer over one stream: `async with await PeerSession.open(...)`."""
 
-    def __init__(self, stream: Stream, opened: dict[str, Any], dtype: torch.dtype, timeout: float):
-        self.stream, self.opened, self.dtype, self.timeout = stream, opened, dtype, timeout
-        self.id: str = opened["session"]
-        self.span = Span(opened["start"], opened["end"])
+    def __init__(self, stream: Stream, opened: wire.Opened, timeout: float):
+        self.stream, self.opened, self.timeout = stream, opened, timeout
+        self.id: str = opened.session
+        self.span = Span(opened.start, opened.end)
         self._steps = itertools.count()
         self.last_compute_ms = 0.0
         self.pushed = False  # whether the last output was also pushed on to the next peer
 
     @classmethod
     async def open(cls, node: Node, peer: str, model: str, span: Span, *, max_length: int, batch: int = 1,
-                   dtype: torch.dtype = torch.float32, timeout: float = 30.0) -> PeerSession:
+                   encodings: tuple[str, ...] = ("float32",), timeout: float = 30.0) -> PeerSession:
+        """Open a session whose steps may use any of `encodings` (`swarm.wire.ENCODINGS`)."""
         stream = await node.open(peer, wire.SESSION_PROTOCOL)
         try:
-            reply = await exchange(stream, wire.Message(wire.OPEN, {
-                "model": model, "start": span.start, "end": span.end, "max_length": max_length, "batch": batch,
-                "dtype": str(dtype).removeprefix("torch.")}), timeout)
-            if reply.type != wire.OPENED or not isinstance(reply.fields.get("session"), str):
-                raise ProtocolError(f"peer {peer} answered 'open' with {reply.type!r}")
+            reply = await exchange(stream, wire.Open(model, span.start, span.end, max_length, batch,
+                                                     tuple(encodings)).to_message(), timeout)
+            opened = _opened(reply, peer)
         except BaseException:
             await stream.aclose()
             raise
-        return cls(stream, reply.fields, dtype, timeout)
+        return cls(stream, opened, timeout)
 
-    async def step(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    async def step(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None,
+                   encoding: str = "float32") -> torch.Tensor:
         """Run `hidden` [batch, tokens, hidden] at `position` (below the cache length: roll back first)."""
-        step = await self.send(hidden, position, attention_mask)
+        step = await self.send(hidden, position, attention_mask, encoding=encoding)
         return await self.receive(step, tuple(hidden.shape), self.timeout)
 
     def reserve(self) -> int:
@@ -66,20 +73,22 @@ class PeerSession:
         return next(self._steps)
 
     async def send(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None, *,
-                   step: int | None = None, chain: list[dict] | None = None) -> int:
-        """Send a step without waiting for its output; its step id. With `chain` ({peer, session, step} of
-        the hops after this one), the peer pushes its output on to the next of them."""
+                   step: int | None = None, chain: list[wire.ChainHop] | None = None,
+                   encoding: str = "float32") -> int:
+        """Send a step without waiting for its output; its step id. With `chain` (the hops after this one),
+        the peer pushes its output on to the next of them. The peer decodes `wire.round_trip(hidden,
+        encoding)`; its output comes back in the same encoding."""
         step = next(self._steps) if step is None else step
-        fields = {"step": step, "position": position, **({"next": chain} if chain else {})}
+        msg = wire.Step(step, position, wire.Hidden.encode(hidden, encoding), _mask(attention_mask),
+                        tuple(chain) if chain else None)
         try:
-            await wire.write_message(self.stream.writer, wire.Message(wire.STEP, fields, _tensors(
-                hidden.to(self.dtype), attention_mask)))
+            await wire.write_message(self.stream.writer, msg.to_message())
         except (ConnectionError, OSError) as e:
             raise ConnectionLost(f"peer {self.stream.remote} closed the stream ({type(e).__name__})") from None
         return step
 
     async def receive(self, step: int, shape: tuple[int, ...], timeout: float) -> torch.Tensor:
-        """The output of step `step`, expected of `shape`. Replies to earlier steps (a pushed step that
+        """The output of step `step`, expected of `shape`, decoded. Replies to earlier steps (a pushed step that
         arrived after the client relayed it) are skipped; an ERROR for this step is raised as its typed error."""
         deadline = time.monotonic() + timeout
         for _ in range(MAX_STALE_REPLIES + 1):
@@ -95,20 +104,18 @@ class PeerSession:
             if type(got) is int and got < step:
                 continue
             raise_if_error(reply)
-            if reply.type != wire.OUTPUT or got != step or len(reply.tensors) != 1:
+            if reply.type != wire.OUTPUT or got != step:
                 raise ProtocolError(f"peer {self.stream.remote} answered step {step} with {reply.type!r} "
                                     f"for step {got!r}")
-            out = wire.tensor_of(reply.tensors[0])
-            if tuple(out.shape) != tuple(shape):
-                raise ProtocolError(f"peer {self.stream.remote} returned shape {list(out.shape)} for {list(shape)}")
-            self.last_compute_ms = float(reply.fields.get("compute_ms", 0.0))
-            self.pushed = reply.fields.get("pushed") is True
+            output, out = _output(reply, self.stream.remote, shape)
+            self.last_compute_ms = output.compute_ms
+            self.pushed = output.pushed is True
             return out
         raise ProtocolError(f"peer {self.stream.remote} sent more than {MAX_STALE_REPLIES} stale replies")
 
     async def close(self) -> None:
         try:
-            await wire.write_message(self.stream.writer, wire.Message(wire.CLOSE))
+            await wire.write_message(self.stream.writer, wire.Close().to_message())
         except (ConnectionError, OSError):
             pass  # the peer is gone: nothing to close
         await self.stream.aclose()
@@ -120,19 +127,27 @@ class PeerSession:
         await self.close()
 
 
+def _output(reply: wire.Message, peer: str, shape: tuple[int, ...]) -> tuple[wire.Output, torch.Tensor]:
+    """The reply as an output of `shape`, and its hidden states decoded; a `ProtocolError` if malformed."""
+    try:
+        output = wire.Output.from_message(reply)
+        if tuple(output.hidden.shape) != tuple(shape):
+            raise BadRequest(f"shape {list(output.hidden.shape)} for {list(shape)}")
+        return output, output.hidden.decode()
+    except BadRequest as e:
+        raise ProtocolError(f"peer {peer} sent a malformed output: {e}") from None
+
+
 async def forward(node: Node, peer: str, model: str, span: Span, hidden: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None, timeout: float = 60.0) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None, timeout: float = 60.0,
+                  encoding: str = "float32") -> torch.Tensor:
     """A stateless forward of whole sequences through `span` on `peer`."""
     stream = await node.open(peer, wire.FORWARD_PROTOCOL)
     try:
-        reply = await exchange(stream, wire.Message(wire.FORWARD, {"model": model, "start": span.start,
-                                                                   "end": span.end},
-                                                    _tensors(hidden, attention_mask)), timeout)
+        request = wire.Forward(model, span.start, span.end, wire.Hidden.encode(hidden, encoding), _mask(attention_mask))
+        reply = await exchange(stream, request.to_message(), timeout)
     finally:
         await stream.aclose()
-    if reply.type != wire.OUTPUT or len(reply.tensors) != 1:
+    if reply.type != wire.OUTPUT:
         raise ProtocolError(f"peer {peer} answered 'forward' with {reply.type!r}")
-    out = wire.tensor_of(reply.tensors[0])
-    if out.shape != hidden.shape:
-        raise ProtocolError(f"peer {peer} returned shape {list(out.shape)} for {list(hidden.shape)}")
-    return out
+    return _output(reply, peer, tuple(hidden.shape))[1]

@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from swarm.errors import NoRoute
+from swarm.precision import PRECISIONS, format_name, precision_rank
 from swarm.records import LINK_ID_CHARS
 from swarm.span import Span
 
 UNMEASURED_DELAY_MS = 50.0  # network delay assumed for a peer never measured
+FORMAT_PENALTY_MS = 10_000.0  # a hop in another weight format than the one preferred (failover keeps formats)
 UNKNOWN_BLOCK_MS = 100.0  # compute per block assumed for a peer that announced no throughput
 # Each session (or queued step) at a peer slows its steps by this share of a step: a peer batches the decode
 # steps of its sessions, and 8 sessions on one peer ran 3.43x one session's tokens/s (docs/benchmarks.md,
@@ -61,6 +63,16 @@ class Offer:
     queued: int | None = None  # steps waiting for its compute, likewise
     # round trips in ms it measured to peers it pushes to, by the last `LINK_ID_CHARS` of their ids
     links: Mapping[str, float] | None = field(default=None, hash=False)
+    dtype: str = "float32"  # how it computes: dtype and weight format (swarm.precision)
+    quant: str = "none"
+
+    @property
+    def format(self) -> str:
+        return format_name(self.dtype, self.quant)
+
+    @property
+    def rank(self) -> int:
+        return precision_rank(self.dtype, self.quant)
 
 
 @dataclass(frozen=True)
@@ -182,9 +194,9 @@ class Bans:
 
 
 def eligible(offers: Iterable[Offer], measurements: Measurements, bans: Bans, exclude: Iterable[str] = (),
-             cache_tokens: int = 0) -> list[Offer]:
+             cache_tokens: int = 0, min_rank: int = 0) -> list[Offer]:
     excluded = set(exclude)
-    return [o for o in offers if o.peer not in excluded and not bans.banned(o.peer)
+    return [o for o in offers if o.peer not in excluded and not bans.banned(o.peer) and o.rank >= min_rank
             and (cache_tokens <= 0 or measurements.cache_left(o) >= cache_tokens)]
 
 
@@ -230,16 +242,19 @@ def route_cost_ms(hops: Sequence[Hop], offers: Mapping[str, Offer], measurements
 def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, bans: Bans, *,
                exclude: Iterable[str] = (), cache_tokens: int = 0, model: str = "the model",
                load: Mapping[str, int] | None = None, chain: bool = False,
-               rng: random.Random | None = None) -> list[Hop]:
+               rng: random.Random | None = None, min_rank: int = 0, prefer: str | None = None) -> list[Hop]:
     """The cheapest chain of hops covering `span` (see the module docstring); `NoRoute` if none.
 
     `load`: sessions this client holds at each peer. `chain`: price later hops by the links peers
-    announced. `rng`: break ties by a random order of peers drawn from it (default: by peer id)."""
+    announced. `rng`: break ties by a random order of peers drawn from it (default: by peer id).
+    `min_rank`: only peers whose weights are at least that precise (`swarm.precision.PRECISIONS`).
+    `prefer`: a weight format; a hop in another format costs `FORMAT_PENALTY_MS` more, so it is chosen
+    only when no route in that format exists (failover keeps a span's format)."""
     offers, exclude, own = list(offers), set(exclude), load or NO_LOAD
-    usable = eligible(offers, measurements, bans, exclude, cache_tokens)
+    usable = eligible(offers, measurements, bans, exclude, cache_tokens, min_rank)
     missing = [b for b in span if not any(o.span.start <= b < o.span.end for o in usable)]
     if missing:
-        raise NoRoute(_missing_message(missing, offers, measurements, bans, exclude, cache_tokens, model),
+        raise NoRoute(_missing_message(missing, offers, measurements, bans, exclude, cache_tokens, model, min_rank),
                       tuple(missing))
     names = sorted({o.peer for o in usable})  # sorted, so that a seeded rng gives the same order every time
     rank = dict(zip(names, (rng.random() for _ in names))) if rng is not None else {p: p for p in names}
@@ -266,6 +281,8 @@ def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, 
                 continue
             linked = None if before is None else link_ms(before, offer.peer)
             hop_ms = delay if linked is None else linked
+            if prefer is not None and offer.format != prefer:
+                hop_ms += FORMAT_PENALTY_MS
             ranks = key + (rank[offer.peer],)
             for there in range(here + 1, min(offer.span.end, span.end) + 1):
                 entry = (cost + hop_ms + (there - here) * per_block, hops + 1, ranks)
@@ -335,7 +352,7 @@ def worth_switching(current_ms: float, new_ms: float, gain: float = REROUTE_GAIN
 
 
 def _missing_message(missing: list[int], offers: list[Offer], measurements: Measurements, bans: Bans,
-                     exclude: set[str], cache_tokens: int, model: str) -> str:
+                     exclude: set[str], cache_tokens: int, model: str, min_rank: int = 0) -> str:
     covering = [o for o in offers if any(o.span.start <= b < o.span.end for b in missing)]
     why = []
     if banned := [o for o in covering if bans.banned(o.peer)]:
@@ -345,5 +362,7 @@ def _missing_message(missing: list[int], offers: list[Offer], measurements: Meas
         why.append(f"{len(full)} without room for {cache_tokens} cache tokens")
     if slow := [o for o in covering if o.peer in exclude and not bans.banned(o.peer)]:
         why.append(f"{len(slow)} avoided for this session")
+    if coarse := [o for o in covering if o.rank < min_rank]:
+        why.append(f"{len(coarse)} in a format below {PRECISIONS[min_rank]} ({', '.join(sorted({o.format for o in coarse}))})")
     detail = f"; peers announcing them: {len(covering)}" + (f", of which {', '.join(why)}" if why else "")
     return f"no live peer serves blocks {ranges_text(missing)} of {model}{detail}"

@@ -46,10 +46,12 @@ from dataclasses import dataclass, field
 import torch
 
 from client import peer_client
+from client.encodings import REPLAY_ENCODING, Encodings
 from client.hops import Inputs, SlowDetector
 from client.peer_client import PeerSession
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient, retryable
+from swarm import wire
 from swarm.errors import BadRequest, NoRoute, StepTimeout, SwarmError
 from swarm.transport import describe_peer
 
@@ -102,7 +104,7 @@ class InferenceSession:
         self.decode_steps = 0  # one-token steps done
         self.reconsidered = False  # the route was checked against its first decode steps
         self.reroutes: list[Failover] = []  # hops moved by that check (not failures)
-        self.dtype = getattr(torch, client.config.dtype)
+        self.encodings: Encodings | None = None  # chosen with the first route, kept for the session
         self.batch: int | None = None
         self.length = 0
         self.links: list[Link] = []
@@ -172,7 +174,10 @@ class InferenceSession:
             if self.closed:
                 raise BadRequest("the inference session was closed during a step")
             self.links = self._adopt(hops)
-            logger.debug("route: %s", " -> ".join(str(h) for h in self.route))
+            if self.encodings is None:
+                self.encodings = self.client.encodings(hops)
+            logger.debug("route: %s (%s on the wire)", " -> ".join(str(h) for h in self.route),
+                         "/".join(self.encodings.all))
         elif not self.reconsidered and self.decode_steps >= REROUTE_AFTER:
             self._reconsider()
         for inputs in self.history.values():
@@ -181,13 +186,16 @@ class InferenceSession:
         chainable = position == self.length
         # until this step succeeds, the session holds positions [0, position): a failed step leaves no trace
         self.length, self.mask = position, None if self.mask is None else self.mask[:, :position]
-        x, i, failed = hidden.to(self.dtype), 0, None
+        # what the first peer decodes, kept as sent; every later hop's input is an output as decoded
+        encoding = self.encodings.for_tokens(tokens)
+        x, i, failed = wire.round_trip(hidden, encoding), 0, None
         while i < len(self.links):
             if failed is None and chainable and self._can_chain(i):
-                i, x, failed = await self._chain(i, x, position, mask)
+                i, x, failed = await self._chain(i, x, position, mask, encoding)
                 continue
             self.hop_inputs["sent"] += failed is None
-            out = await self._through(i, x, position, mask, failed, self._chain_began if failed else None)
+            out = await self._through(i, x, position, mask, failed, self._chain_began if failed else None,
+                                      encoding)
             failed = None
             self._record(i, x, position)
             x, i = out, i + 1
@@ -208,7 +216,8 @@ class InferenceSession:
         return None if bool(attention_mask.all()) and self.mask is None else attention_mask
 
     async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
-                       failed: SwarmError | None = None, began: float | None = None) -> torch.Tensor:
+                       failed: SwarmError | None = None, began: float | None = None,
+                       encoding: str = "float32") -> torch.Tensor:
         """Output of link `i` for `x`, replacing the link (and replaying) until a peer succeeds. `failed`: the
         link's peer already failed this step (in a chained step that began at `began`), handled as if the
         first attempt here had."""
@@ -229,7 +238,7 @@ class InferenceSession:
                     raise error
                 if link.session is None:
                     await self._open(link, position, mask)
-                out = await self._step(link, x, position, mask)
+                out = await self._step(link, x, position, mask, encoding)
             except (asyncio.TimeoutError, SwarmError) as e:
                 if not retryable(e) and not (isinstance(e, BadRequest) and link.session is None):
                     raise  # our own request is wrong: another peer would refuse it too
@@ -272,14 +281,16 @@ class InferenceSession:
         `wait`, blocks that have no live peer are waited for (`wait_for_blocks`)."""
         span = self.links[i].hop.span
         cache_tokens, avoid = self.batch * self.max_length, frozenset(exclude)
+        prefer = self.client.offer(self.links[i].hop.peer).format  # keep the span's weight format if it can
         if wait:
             try:
                 hops = await self.client.wait_for_route(span, cache_tokens=cache_tokens, exclude=avoid, rng=self.rng,
-                                                        on_wait=self._waiting_for)
+                                                        on_wait=self._waiting_for, prefer=prefer)
             finally:
                 self.waiting = None
         else:
-            hops = await self.client.route(span, cache_tokens=cache_tokens, exclude=avoid, rng=self.rng)
+            hops = await self.client.route(span, cache_tokens=cache_tokens, exclude=avoid, rng=self.rng,
+                                           prefer=prefer)
         if self.closed:
             raise BadRequest("the inference session was closed during a step")
         return self._swap(i, hops)
@@ -384,24 +395,27 @@ class InferenceSession:
         # the session's own timeout bounds its steps; each step's real deadline is the `wait_for` in `_step`
         link.session = await asyncio.wait_for(
             PeerSession.open(self.client.node, hop.peer, self.client.model_id, hop.span, max_length=self.max_length,
-                             batch=self.batch, dtype=self.dtype, timeout=self.config.step_timeout),
+                             batch=self.batch, encodings=self.encodings.all, timeout=self.config.step_timeout),
             self.config.open_timeout)
-        self.client.measurements.cache(hop.peer, int(link.session.opened.get("cache_tokens_left", 0)))
+        self.client.measurements.cache(hop.peer, link.session.opened.cache_tokens_left)
         if position == 0:
             return
         inputs = self.history.get(hop.span.start)
         past = None if inputs is None else inputs.view()
         if past is None or past.shape[1] < position:
             raise RuntimeError(f"no history at block {hop.span.start} to replay")  # a bug, not a peer failure
-        out = await self._step(link, past[:, :position], 0, None if mask is None else mask[:, :position])
+        # in float32: it carries every value the history holds exactly, whatever encoding it first came in
+        out = await self._step(link, past[:, :position], 0, None if mask is None else mask[:, :position],
+                               REPLAY_ENCODING)
         if hop.span.end < self.client.num_blocks and hop.span.end not in self.history:
             self.history[hop.span.end] = Inputs(out, self.max_length)  # the next new hop's replay input
 
-    async def _step(self, link: Link, x: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
+    async def _step(self, link: Link, x: torch.Tensor, position: int, mask: torch.Tensor | None,
+                    encoding: str) -> torch.Tensor:
         hop, tokens = link.hop, x.shape[1]
         link.used_before, link.used_at = link.used_at, time.monotonic()
         started = time.perf_counter()
-        out = await asyncio.wait_for(link.session.step(x, position, mask),
+        out = await asyncio.wait_for(link.session.step(x, position, mask, encoding),
                                      self.client.deadline(hop, x.shape[0] * tokens))
         self._observe(link, (time.perf_counter() - started) * 1e3, tokens)
         return out
@@ -447,8 +461,8 @@ class InferenceSession:
         return all(link.session is not None and not link.slow and now - link.used_at < IDLE_REOPEN_S
                    for link in self.links[i:])
 
-    async def _chain(self, i: int, x: torch.Tensor, position: int,
-                     mask: torch.Tensor | None) -> tuple[int, torch.Tensor, SwarmError | None]:
+    async def _chain(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
+                     encoding: str) -> tuple[int, torch.Tensor, SwarmError | None]:
         """Send `x` to link `i` naming every later link, then collect each link's output as the peers push
         the step along. Returns where to go on: (the first link not done, its input, and the error of that
         link's peer if it failed). A link that failed or stayed past its deadline is handled as in a relayed
@@ -456,20 +470,19 @@ class InferenceSession:
         next link to the client, which sends it the step itself."""
         links = self.links[i:]
         tokens, shape = x.shape[1], tuple(x.shape)
-        chain = [{"peer": link.hop.peer, "session": link.session.id, "step": link.session.reserve()}
-                 for link in links[1:]]
+        chain = [wire.ChainHop(link.hop.peer, link.session.id, link.session.reserve()) for link in links[1:]]
         now = time.monotonic()
         for link in links:
             link.used_before, link.used_at = link.used_at, now
         started = self._chain_began = time.perf_counter()
         try:
-            step = await asyncio.wait_for(links[0].session.send(x, position, mask, chain=chain),
+            step = await asyncio.wait_for(links[0].session.send(x, position, mask, chain=chain, encoding=encoding),
                                           self.client.deadline(links[0].hop, shape[0] * tokens))
         except asyncio.TimeoutError:
             return i, x, StepTimeout(f"peer {describe_peer(links[0].hop.peer)} did not take a step in time")
         except SwarmError as e:
             return i, x, e
-        steps = [step] + [hop["step"] for hop in chain]
+        steps = [step] + [hop.step for hop in chain]
         for j, link in enumerate(links):
             if self.closed:
                 raise BadRequest("the inference session was closed during a step")

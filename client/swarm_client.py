@@ -21,10 +21,12 @@ import torch
 
 from client import peer_client
 from client.config import ClientConfig
+from client.encodings import Encodings, choose_encodings
 from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, find_route, hop_cost_ms,
                             ranges_text, route_cost_ms)
 from swarm import discovery, placement
 from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.precision import PRECISIONS, format_name
 from swarm.span import Span
 from swarm.transport import Node, describe_peer
 
@@ -56,6 +58,13 @@ class PeerState:
     queued: int | None = None
     since: float | None = None
     links: dict | None = None
+    device: str = "cpu"  # how it computes, as announced
+    dtype: str = "float32"
+    quant: str = "none"
+
+    @property
+    def format(self) -> str:
+        return format_name(self.dtype, self.quant)
 
 
 class SwarmClient:
@@ -89,10 +98,12 @@ class SwarmClient:
                     if ann.peer not in latest or ann.seq > latest[ann.peer].seq:
                         latest[ann.peer] = ann
             # a moving peer has its old span online while the new one loads: route by its newest online span
-            self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links)
+            self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links,
+                                    *a.weights)
                            for p, a in placement.online(anns).items() if a.span.end <= self.num_blocks}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
-                                        a.sessions, a.queued, a.since, a.links) for p, a in latest.items()}
+                                        a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights)
+                           for p, a in latest.items()}
             self._refreshed = time.monotonic()
             unmeasured = [p for p in self.offers if self.measurements.delay_ms(p) is None and not self.bans.banned(p)]
             await self.ping_all(unmeasured[:MAX_PINGS])
@@ -154,7 +165,7 @@ class SwarmClient:
     # ---- routes ----
 
     async def route(self, span: Span | None = None, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
-                    rng: random.Random | None = None) -> list[Hop]:
+                    rng: random.Random | None = None, prefer: str | None = None) -> list[Hop]:
         """The cheapest chain covering `span` (default: every block), refreshing the view if it has none.
 
         If no chain exists, the view is re-read once; then peers banned for timing out or for a lost
@@ -165,11 +176,11 @@ class SwarmClient:
         span = span or self.span
         await self.refresh()
         try:
-            return self.find(span, cache_tokens, exclude, rng)
+            return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
         except NoRoute:
             await self.refresh(force=True)
         try:
-            return self.find(span, cache_tokens, exclude, rng)
+            return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
         except NoRoute:
             timed_out = [p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
                          and self.bans.reasons.get(p) in SECOND_CHANCE and o.span.start < span.end
@@ -179,18 +190,18 @@ class SwarmClient:
             for peer, rtt in zip(timed_out, await self.ping_all(timed_out)):
                 if rtt is not None:
                     self.bans.lift(peer)
-            return self.find(span, cache_tokens, exclude, rng)
+            return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
 
     async def wait_for_route(self, span: Span, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
                              rng: random.Random | None = None, on_wait: Callable[[str], None] | None = None,
-                             clock: Callable[[], float] = time.monotonic,
+                             prefer: str | None = None, clock: Callable[[], float] = time.monotonic,
                              sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> list[Hop]:
         """`route`, but while some blocks have no live peer, ask again about once a second (each time
         re-reading the view and giving banned peers their second chance), for up to `wait_for_blocks`
         seconds; `on_wait(message)` is called once when the wait begins. Then `NoRoute`, saying how long
         it waited."""
         try:
-            return await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng)
+            return await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng, prefer=prefer)
         except NoRoute as e:
             if self.config.wait_for_blocks <= 0:
                 raise
@@ -204,7 +215,7 @@ class SwarmClient:
         while (delay := wait.next_delay()) is not None:
             await sleep(delay)
             try:
-                hops = await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng)
+                hops = await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng, prefer=prefer)
             except NoRoute as e:
                 last = e
                 continue
@@ -213,12 +224,19 @@ class SwarmClient:
         raise NoRoute(f"{last}; waited {round(wait.waited, 1):g} s for them to be served again", last.missing) from None
 
     def find(self, span: Span, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
-             rng: random.Random | None = None, discount: Counter[str] | None = None) -> list[Hop]:
+             rng: random.Random | None = None, discount: Counter[str] | None = None,
+             prefer: str | None = None) -> list[Hop]:
         """The cheapest chain in the current view, without reading the DHT. `discount`: hops of our own not to
-        count as load (a session weighing its own route against another)."""
+        count as load (a session weighing its own route against another). `prefer`: a weight format to keep
+        where a route in it exists. Peers below `--min-precision` are never chosen."""
         return find_route(self.offers.values(), span, self.measurements, self.bans, exclude=exclude,
                           cache_tokens=cache_tokens, model=self.model_id, load=self._load(discount),
-                          chain=self.config.chain, rng=rng)
+                          chain=self.config.chain, rng=rng, min_rank=PRECISIONS.index(self.config.min_precision),
+                          prefer=prefer)
+
+    def encodings(self, hops: list[Hop]) -> Encodings:
+        """How a session over `hops` encodes hidden states on the wire (`choose_encodings`)."""
+        return choose_encodings(self.config, [(self.offer(h.peer).dtype, self.offer(h.peer).quant) for h in hops])
 
     def offer(self, peer: str) -> Offer:
         return self.offers.get(peer) or Offer(peer, self.span)
@@ -233,8 +251,7 @@ class SwarmClient:
     async def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Whole sequences through every block, hop by hop, rerouting a failed hop's span."""
         hops = await self.route()
-        dtype = getattr(torch, self.config.dtype)
-        x, i = hidden.to(dtype), 0
+        x, i = hidden.float(), 0
         retries = 0
         while i < len(hops):
             hop = hops[i]

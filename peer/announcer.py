@@ -33,6 +33,7 @@ class Figures:
     queued: int | None = None
     links: dict | None = None
     max_blocks: int | None = None
+    precision: tuple[str, str, str] | None = None  # device kind, dtype, quant
 
 
 class Announcer:
@@ -66,7 +67,8 @@ class Announcer:
                                    float(figures.throughput), float(figures.prefill_tps),
                                    int(figures.cache_tokens_left), __version__, self._next_seq(), now,
                                    self.num_blocks, figures.sessions, figures.queued, round(self.since, 3),
-                                   figures.links or None, figures.max_blocks)
+                                   figures.links or None, figures.max_blocks,
+                                   *(figures.precision or (None, None, None)))
         expiration = now + self.ttl
         own = self.identity.peer_id
         keys = [records.block_key(self.model_id, block) for block in self.span]

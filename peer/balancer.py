@@ -19,7 +19,7 @@ import random
 import time
 
 from swarm import calls, discovery, placement, records
-from swarm.errors import ConnectionLost, StepTimeout, SwarmError
+from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, SwarmError
 from swarm.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
@@ -128,15 +128,16 @@ class SwarmView:
         answered with an error); "lost" if it cannot be reached, "silent" if no answer came within
         `ping_timeout`."""
         try:
-            fields = await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
+            info = await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
         except (asyncio.TimeoutError, StepTimeout):
             return "silent"
         except (ConnectionLost, OSError):
             return "lost"
+        except ProtocolError:  # a malformed reply: alive, serving nothing that makes sense
+            return (0, 0)
         except SwarmError:  # it answered, with an error: alive
             return None
-        start, end = fields.get("start"), fields.get("end")
-        return (start, end) if type(start) is int and type(end) is int else (0, 0)
+        return info.start, info.end
 
 
 class Links:

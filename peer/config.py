@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.config import check_dtype, check_port, check_positive, option
+from swarm.config import check_port, check_positive, option
+from swarm.precision import DTYPES, QUANTS
 from swarm.errors import ConfigError
 from swarm.span import Span
 
@@ -39,7 +40,15 @@ class PeerConfig:
                                        "forwarded port or a proxy in front of this peer)")
     identity: Path | None = option(None, help="Ed25519 key file, created on first start (default: a new identity "
                                    "each start)")
-    dtype: str = option("float32", help="dtype of weights and cache: float32, bfloat16 or float16")
+    device: str = option("auto", help="where the blocks compute: auto (a CUDA GPU if present, else Apple's MPS, "
+                         "else the CPU), cpu, cuda, cuda:N or mps")
+    dtype: str = option("float32", help="dtype of weights and cache: float32 (exact, the default), bfloat16, "
+                        "float16, or auto (bfloat16 on GPUs that compute it, else float16; on CPUs bfloat16 where "
+                        "the CPU computes it natively, else float32)")
+    quant: str = option("none", help="weight format of the served layers' linear weights: none, int8 (CUDA: "
+                        "bitsandbytes; CPU: int8 linears with float32 around them) or nf4 (CUDA only)")
+    threads: int | None = option(None, help="compute threads (default: torch's, one per core); peers sharing a "
+                                 "machine do better with a share of its cores each")
     max_sessions: int = option(64, help="concurrent inference sessions at most")
     cache_tokens: int = option(16384, help="attention cache budget in tokens (each token held in every served block)")
     max_length: int = option(4096, help="longest session (prompt + generated tokens)")
@@ -73,10 +82,13 @@ class PeerConfig:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
                     "idle_timeout", "max_queue", "announce_interval", "record_ttl", "rebalance_interval",
                     "check_interval", "drain_timeout")
-        optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget")
+        optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget", "threads")
                     if getattr(self, n) is not None and getattr(self, n) < 1]
         check_positive(self, positive, tuple(optional))
-        check_dtype(self.dtype)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.quant not in QUANTS:
+            raise ConfigError(f"--quant must be one of {', '.join(QUANTS)}, not {self.quant!r}")
         if self.announce_interval >= self.record_ttl:
             raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
                               "announcements")

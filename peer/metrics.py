@@ -8,6 +8,7 @@ All names start with `swarm_peer_`; times are in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +18,13 @@ from swarm import metrics as swarm_metrics
 from swarm.http import HttpServer
 from swarm.metrics import LATENCY_BUCKETS, StateCollector
 
-INFO_LABELS = ("peer", "model", "start", "end", "version", "dtype")
+INFO_LABELS = ("peer", "model", "start", "end", "version", "device", "dtype", "quant")
 BATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def state(info: dict[str, Any]) -> list[tuple[str, str, float, dict[str, str]]]:
-    """The scrape-time gauges, from a `Servicer.info()` dict."""
+def state(info: Any) -> list[tuple[str, str, float, dict[str, str]]]:
+    """The scrape-time gauges, from a `Servicer.info()` (`wire.Info`, or its fields as a dict)."""
+    info = info if isinstance(info, dict) else dataclasses.asdict(info)
     used = info["cache_tokens"] - info["cache_tokens_left"]
     return [
         ("swarm_peer_info", "the served model and blocks [start, end); always 1",

@@ -24,46 +24,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
-
 from swarm import wire
-from swarm.errors import BadRequest
 from swarm.transport import Node, Stream, describe_peer
 
 logger = logging.getLogger(__name__)
 
-MAX_ID_CHARS = 128
-BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 MAX_STREAMS = 256  # open push streams at most (one per next peer)
 MAX_OPENING = 16  # push streams being opened at once at most
 RETRY_S = 10.0  # after a failed open, pushes to that peer are refused (relayed) this long
-
-
-def parse_chain(value: Any, own_id: str) -> list[dict[str, Any]] | None:
-    """The `next` field of a STEP or PUSH: None if absent, else a checked list of {peer, session, step}.
-
-    Peers are base58 ids, each at most once and never this peer (`own_id`): a chain cannot loop, so one
-    request costs every named peer at most one step."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or not 1 <= len(value) <= wire.MAX_CHAIN:
-        raise BadRequest(f"'next' must be a list of 1-{wire.MAX_CHAIN} hops")
-    chain, seen = [], {own_id}
-    for hop in value:
-        if not isinstance(hop, dict) or set(hop) != {"peer", "session", "step"}:
-            raise BadRequest("each hop of 'next' must be an object with exactly 'peer', 'session' and 'step'")
-        peer, session, step = hop["peer"], hop["session"], hop["step"]
-        if not (isinstance(peer, str) and 0 < len(peer) <= MAX_ID_CHARS and set(peer) <= BASE58):
-            raise BadRequest(f"'next' names an invalid peer id {str(peer)[:80]!r}")
-        if peer in seen:
-            raise BadRequest(f"'next' names peer {describe_peer(peer)} twice, or this peer itself")
-        seen.add(peer)
-        if not (isinstance(session, str) and 0 < len(session) <= MAX_ID_CHARS):
-            raise BadRequest("'next' names an invalid session id")
-        if type(step) is not int or not 0 <= step <= 2**62:
-            raise BadRequest(f"'next' step ids must be integers in [0, 2**62], got {step!r}")
-        chain.append({"peer": peer, "session": session, "step": step})
-    return chain
 
 
 class Pusher:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from peer.announcer import Announcer, Figures
 from peer.balancer import Links, SwarmView, jittered
@@ -38,6 +39,7 @@ from swarm import __version__, placement, selection, wire
 from swarm.blocks import SpanBlocks
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.identity import Identity, load_or_create
+from swarm.precision import Precision
 from swarm.records import check_model_id, default_model_id
 from swarm.span import Span
 from swarm.transport import Node, describe_peer
@@ -64,27 +66,31 @@ def available_memory() -> int:
     return 4 * 2**30
 
 
-def memory_blocks(ckpt: Checkpoint, config: PeerConfig) -> int:
-    """How many blocks this peer may hold: --num-blocks, else what fits in its memory budget."""
+def memory_blocks(ckpt: Checkpoint, config: PeerConfig, precision: Precision | None = None) -> int:
+    """How many blocks this peer may hold: --num-blocks, else what fits in its memory budget (default: 80%
+    of the device's free memory: the GPU's on CUDA, else the host's). A block's weights are counted in
+    the peer's format, so a quantized peer holds proportionally more blocks."""
     if config.num_blocks is not None:
         return max(1, min(config.num_blocks, ckpt.num_blocks))
-    dtype = parse_dtype(config.dtype)
-    budget = config.memory_budget or int(0.8 * available_memory())
-    block_bytes = max(ckpt.block_bytes(b, dtype) for b in range(ckpt.num_blocks))
+    precision = precision or Precision(torch.device("cpu"), config.dtype if config.dtype != "auto" else "float32",
+                                       config.quant)
+    dtype = parse_dtype(precision.dtype)
+    budget = config.memory_budget or int(0.8 * (precision.memory() or available_memory()))
+    block_bytes = max(ckpt.block_bytes(b, dtype, precision.quant) for b in range(ckpt.num_blocks))
     return selection.blocks_for_budget(budget, block_bytes, config.cache_tokens * ckpt.cache_bytes_per_token(dtype),
                                        ckpt.num_blocks)
 
 
-def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig) -> BlockCost:
-    """What one block costs on this machine: cached per (model, device, dtype), else measured on block 0."""
+def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig, precision: Precision) -> BlockCost:
+    """What one block costs on this machine: cached per (model, device, format), else measured on block 0."""
     cache = CapacityCache(config.capacity_cache)
-    key = cache.key(model_id, "cpu", config.dtype)
+    key = cache.key(model_id, str(precision.device), precision.format)
     cost = cache.get(key, time.time())
     if cost is not None:
         logger.info("block cost from %s: %.2f ms per decode step per block", config.capacity_cache, cost.decode_ms)
         return cost
-    logger.info("measuring what a block of %s costs on this machine (%s)", model_id, config.dtype)
-    block = SpanBlocks(ckpt, Span(0, 1), parse_dtype(config.dtype))
+    logger.info("measuring what a block of %s costs on this machine (%s)", model_id, precision.describe())
+    block = SpanBlocks(ckpt, Span(0, 1), precision.dtype, precision.device, quant=precision.quant)
     cost = measure_block(block)
     cache.put(key, cost)
     logger.info("measured the block cost: %.2f ms per decode step per block, %.3f ms per prefill token",
@@ -123,6 +129,9 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                 on_ready: Callable[[PeerReady], None] | None = None) -> None:
     """Run a peer until `stop` is set."""
     loop = asyncio.get_running_loop()
+    precision = Precision.of(config.device, config.dtype, config.quant)  # a missing device stops it here
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     identity = load_or_create(config.identity) if config.identity else Identity.generate()
     ckpt = await loop.run_in_executor(None, Checkpoint, config.model)
     model_id = config.model_id or default_model_id(config.model)
@@ -132,7 +141,7 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                     announce_host=config.announce_host, announce_port=config.announce_port,
                     initial_peers=config.initial_peers) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
-        peer = Peer(config, node, identity, ckpt, model_id, metrics)
+        peer = Peer(config, node, identity, ckpt, model_id, metrics, precision)
         await peer.run(stop, on_ready)
 
 
@@ -140,11 +149,11 @@ class Peer:
     """One peer's life on a running node: measure, choose, load, serve, rebalance, leave."""
 
     def __init__(self, config: PeerConfig, node: Node, identity: Identity, ckpt: Checkpoint, model_id: str,
-                 metrics: PeerMetrics):
+                 metrics: PeerMetrics, precision: Precision | None = None):
         self.config, self.node, self.identity, self.ckpt, self.model_id = config, node, identity, ckpt, model_id
         self.metrics, self.name = metrics, describe_peer(node.peer_id)
-        self.dtype = parse_dtype(config.dtype)
-        self.memory = memory_blocks(ckpt, config)
+        self.precision = precision or Precision.of(config.device, config.dtype, config.quant)
+        self.memory = memory_blocks(ckpt, config, self.precision)
         self.view = SwarmView(node, model_id, ckpt.num_blocks)
         self.links = Links(node)
         self.movable = config.blocks is None and config.rebalance
@@ -157,13 +166,18 @@ class Peer:
     def span(self) -> Span:
         return self.servicer.served.span if self.servicer is not None else self.announcer.span
 
+    def _load(self, span: Span, reuse: SpanBlocks | None) -> SpanBlocks:
+        p = self.precision
+        return SpanBlocks(self.ckpt, span, p.dtype, p.device, reuse=reuse, quant=p.quant)
+
     def figures(self) -> Figures:
         n = len(self.announcer.span)  # the span announced: the claimed one while moving
         servicer = self.servicer
         return Figures(self.capacity.throughput(n), self.capacity.prefill_tps(n),
                        servicer.sessions.tokens_left if servicer else 0,
                        len(servicer.sessions.sessions) if servicer else 0,
-                       servicer.runtime.queued if servicer else 0, self.links.announced(), self.memory)
+                       servicer.runtime.queued if servicer else 0, self.links.announced(), self.memory,
+                       (self.precision.device_kind, self.precision.dtype, self.precision.quant))
 
     async def announce(self, state: str, **kw) -> None:
         if self.servicer is not None:
@@ -173,7 +187,7 @@ class Peer:
     async def run(self, stop: asyncio.Event, on_ready: Callable[[PeerReady], None] | None) -> None:
         loop = asyncio.get_running_loop()
         config, ckpt = self.config, self.ckpt
-        cost = await loop.run_in_executor(None, block_cost, ckpt, self.model_id, config)
+        cost = await loop.run_in_executor(None, block_cost, ckpt, self.model_id, config, self.precision)
         self.capacity = Capacity(cost)
         served = await self.view.read()
         choice = first_span(config, served, self.node.peer_id, self.capacity.speed, self.memory, ckpt.num_blocks)
@@ -184,12 +198,13 @@ class Peer:
         self.announcer = Announcer(self.node, self.identity, self.model_id, span, ckpt.num_blocks, config.record_ttl)
         await self.announce("joining")
         logger.info("peer %s loading blocks %s of %s", self.name, span, self.model_id)
-        blocks = await loop.run_in_executor(None, SpanBlocks, ckpt, span, self.dtype)
+        blocks = await loop.run_in_executor(None, self._load, span, None)
         sessions = SessionTable(config.cache_tokens, config.max_sessions)
         served_info = Served(self.node.peer_id, self.model_id, span, __version__, self.capacity.throughput(len(span)),
                              self.capacity.prefill_tps(len(span)))
         with Runtime(config.max_queue) as runtime:
-            servicer = self.servicer = Servicer(config, served_info, blocks, runtime, sessions, self.metrics)
+            servicer = self.servicer = Servicer(config, served_info, blocks, runtime, sessions, self.metrics,
+                                                self.precision)
             servicer.capacity = self.capacity
             servicer.pusher = Pusher(self.node) if config.push else None
             self.metrics.watch(servicer.info)
@@ -199,8 +214,9 @@ class Peer:
             await self.node.serve(wire.INFO_PROTOCOL, servicer.serve_info)
             await self.announce("online")
             maddrs = tuple(await self.node.maddrs())
-            logger.info("peer %s serving blocks %s of %s (%.1f tokens/s decode) at %s", self.name, span, self.model_id,
-                        servicer.served.throughput, maddrs[0] if maddrs else "?")
+            logger.info("peer %s serving blocks %s of %s (%s, %.1f tokens/s decode) at %s", self.name, span,
+                        self.model_id, self.precision.describe(), servicer.served.throughput,
+                        maddrs[0] if maddrs else "?")
             if on_ready is not None:
                 on_ready(PeerReady(self.node.peer_id, self.model_id, span, maddrs))
             try:
@@ -306,8 +322,7 @@ class Peer:
             logger.warning("peer %s: blocks %s and %s do not fit in memory at once (room for %d blocks): serving "
                            "only %s while the rest loads; sessions on the rest of %s fail over", self.name, old_span,
                            target, self.memory, overlap, old_span)
-            kept = await loop.run_in_executor(None, functools.partial(SpanBlocks, self.ckpt, overlap, self.dtype,
-                                                                      reuse=old_blocks))  # nothing read
+            kept = await loop.run_in_executor(None, self._load, overlap, old_blocks)  # nothing read
             self.servicer.activate(kept, overlap)
             for session in self.servicer.sessions_on(old_blocks):
                 self.servicer.sessions.close(session.id)
@@ -319,8 +334,7 @@ class Peer:
         reuse = drain_blocks if overlap is not None else None
         try:
             logger.info("peer %s loading blocks %s of %s", self.name, target, self.model_id)
-            blocks = await loop.run_in_executor(None, functools.partial(SpanBlocks, self.ckpt, target, self.dtype,
-                                                                        reuse=reuse))
+            blocks = await loop.run_in_executor(None, self._load, target, reuse)
         finally:
             self.servicer.moving = False
         self.servicer.activate(blocks, target)

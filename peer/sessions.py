@@ -25,7 +25,7 @@ class Session:
     span: Span
     batch: int
     max_length: int
-    dtype: str
+    encodings: tuple  # wire encodings its steps may come in
     reserved: int
     opened_at: float
     cache: object = None  # the SpanCache, created by the owner of the blocks
@@ -54,7 +54,7 @@ class SessionTable:
     def tokens_left(self) -> int:
         return self.cache_tokens - self.reserved
 
-    def open(self, span: Span, batch: int, max_length: int, dtype: str, now: float) -> Session:
+    def open(self, span: Span, batch: int, max_length: int, encodings: tuple, now: float) -> Session:
         need = batch * max_length
         if need > self.tokens_left:
             raise OutOfCache(f"session needs {need} cache tokens (batch {batch} x length {max_length}), "
@@ -64,7 +64,7 @@ class SessionTable:
             raise Busy(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}; try another peer")
         # the id is also what lets a peer push steps into the session: unguessable (96 random bits)
         sid = f"s{next(self._counter)}-{secrets.token_hex(12)}"
-        session = Session(sid, span, batch, max_length, dtype, need, now, used_at=now)
+        session = Session(sid, span, batch, max_length, tuple(encodings), need, now, used_at=now)
         self.sessions[sid] = session
         return session
 

@@ -30,6 +30,7 @@ from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionA
                                       LinearAttentionLayer, get_layer_types_and_kwargs)
 
 from swarm.checkpoint import Checkpoint, parse_dtype
+from swarm.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest, CheckpointError
 from swarm.frame import LayerSlot, Plan, build
 from swarm.head import position_ids_for
@@ -176,18 +177,20 @@ class SpanBlocks(torch.nn.Module):
     """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
 
     def __init__(self, checkpoint: Checkpoint | str, span: Span, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", reuse: SpanBlocks | None = None):
-        """`reuse`: blocks already loaded (same checkpoint, dtype and device) whose layers inside `span` are
-        shared rather than read again, so a peer moving to an overlapping span loads only the new blocks
-        and holds the overlap once."""
+                 device: str | torch.device = "cpu", reuse: SpanBlocks | None = None, quant: str = "none"):
+        """`reuse`: blocks already loaded (same checkpoint, dtype, device and weight format) whose layers
+        inside `span` are shared rather than read again, so a peer moving to an overlapping span loads only
+        the new blocks and holds the overlap once. `quant`: the layers' linear weights in int8 or nf4
+        (`swarm.precision.quantize`)."""
         super().__init__()
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         span.check_within(ckpt.num_blocks)
         self.span, self.dtype, self.device = span, parse_dtype(dtype), torch.device(device)
-        if reuse is not None and (reuse.dtype, reuse.device, reuse.model_type) != (self.dtype, self.device,
-                                                                                     ckpt.model_type):
-            raise ValueError(f"cannot reuse blocks {reuse.span} ({reuse.model_type}, {reuse.dtype}, {reuse.device}) "
-                             f"for {ckpt.model_type} in {self.dtype} on {self.device}")
+        self.precision = Precision(self.device, str(self.dtype).removeprefix("torch."), quant)
+        if reuse is not None and (reuse.dtype, reuse.device, reuse.model_type, reuse.precision.quant) != (
+                self.dtype, self.device, ckpt.model_type, quant):
+            raise ValueError(f"cannot reuse blocks {reuse.span} ({reuse.model_type}, {reuse.precision.format}, "
+                             f"{reuse.device}) for {ckpt.model_type} in {self.precision.format} on {self.device}")
         shared = {i: reuse.layers[i - reuse.span.start] for i in span
                   if reuse is not None and reuse.span.start <= i < reuse.span.end}
         self.model_type = ckpt.model_type
@@ -198,6 +201,9 @@ class SpanBlocks(torch.nn.Module):
         started = time.monotonic()
         self.frame, layers = build(ckpt, self.dtype, self.device, blocks=list(span), modules=ckpt.layout.peer_modules,
                                    shared=shared)
+        for i in span:
+            if i not in shared:
+                quantize(layers[i], self.precision)
         self.config = ckpt.text_config
         self._hidden_size = ckpt.hidden_size
         kinds, per_layer = get_layer_types_and_kwargs(ckpt.text_config)
@@ -210,8 +216,8 @@ class SpanBlocks(torch.nn.Module):
         self._slots = list(self.frame.entries)
         self.requires_grad_(False)
         self.eval()
-        logger.info("loaded blocks %s of %s (%s, %.1fM parameters%s) in %.1f s", span, ckpt.model_type,
-                    str(self.dtype).removeprefix("torch."), self.num_parameters() / 1e6,
+        logger.info("loaded blocks %s of %s (%s, %.1f MB of weights%s) in %.1f s", span, ckpt.model_type,
+                    self.precision.format, self.weight_bytes() / 1e6,
                     f"; {len(shared)} blocks shared with {reuse.span}" if shared else "", time.monotonic() - started)
 
     def __setattr__(self, name, value):
@@ -226,6 +232,10 @@ class SpanBlocks(torch.nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def weight_bytes(self) -> int:
+        """Bytes the served layers' weights take on the device, in their format."""
+        return sum(module_bytes(layer) for layer in self.layers)
 
     def new_cache(self, batch_size: int, max_length: int, span: Span | None = None) -> SpanCache:
         return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds, self.state_counts)

@@ -202,10 +202,17 @@ class Checkpoint:
                 out.append(name)
         return out
 
-    def block_bytes(self, block: int, dtype: torch.dtype) -> int:
-        """Bytes block `block`'s parameters take in `dtype`, from the file headers (nothing is loaded)."""
+    def block_bytes(self, block: int, dtype: torch.dtype, quant: str = "none") -> int:
+        """Bytes block `block`'s parameters take in `dtype`, from the file headers (nothing is loaded). With
+        `quant`, the 2-D weights (the linear layers' inside a block) count at the quantized format's size."""
+        from swarm.precision import weight_bytes_per_param
+
         with self._slices(self.names_for([block])) as slices:
-            return sum(math.prod(s.get_shape()) for s in slices.values()) * dtype.itemsize
+            shapes = [s.get_shape() for s in slices.values()]
+        if quant == "none":
+            return sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+        return int(sum(math.prod(shape) * (weight_bytes_per_param(quant, str(dtype).removeprefix("torch."))
+                                           if len(shape) == 2 else dtype.itemsize) for shape in shapes))
 
     @contextmanager
     def _slices(self, names: list[str]) -> Iterator[dict[str, object]]:

@@ -57,7 +57,10 @@ DIRECTORY_KEYS = tuple(f"_models.{n}" for n in range(DIRECTORY_BUCKETS))
 MAX_DIRECTORY_VALUE_BYTES = 512
 # Fields older payloads lack; omitted from the payload when None, never null. Only `num_blocks` may appear
 # in a directory record: older validators refuse any other field they do not know there.
-_OPTIONAL = ("num_blocks", "sessions", "queued", "since", "links", "max_blocks")
+_OPTIONAL = ("num_blocks", "sessions", "queued", "since", "links", "max_blocks", "device", "dtype", "quant")
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+RECORD_DTYPES = ("float32", "bfloat16", "float16")
+RECORD_QUANTS = ("none", "int8", "nf4")
 MAX_LINKS = 16  # round trips to next peers in one record at most
 LINK_ID_CHARS = 8  # a next peer is named by the last characters of its id: compact, and enough to match
 
@@ -111,6 +114,11 @@ class Announcement:
     since: float | None = None
     links: dict | None = None
     max_blocks: int | None = None  # blocks its memory budget holds (placement weighs spans by it)
+    # How it computes (block records only; absent in older records: float32 on a CPU): device kind, dtype,
+    # and weight format of the layers' linear weights (swarm.precision).
+    device: str | None = None
+    dtype: str | None = None
+    quant: str | None = None
     extra: dict = field(default_factory=dict, compare=False)  # optional fields of newer versions, kept as-is
 
     @property
@@ -120,7 +128,12 @@ class Announcement:
     def for_directory(self) -> Announcement:
         """This announcement as the directory holds it: only the fields every version knows there."""
         return dataclasses.replace(self, sessions=None, queued=None, since=None, links=None,
-                                   max_blocks=None, extra={})
+                                   max_blocks=None, device=None, dtype=None, quant=None, extra={})
+
+    @property
+    def weights(self) -> tuple[str, str]:
+        """(dtype, quant) of its weights; float32 unquantized for records that do not say."""
+        return self.dtype or "float32", self.quant or "none"
 
     def to_payload(self) -> bytes:
         data = {k: v for k, v in asdict(self).items() if k != "extra" and not (k in _OPTIONAL and v is None)}
@@ -175,6 +188,9 @@ class Announcement:
         for name in ("sessions", "queued"):
             if getattr(self, name) is not None and not is_int(getattr(self, name), 0, 2**31):
                 raise RecordRejected(f"{name} must be a non-negative integer")
+        for name, allowed in (("device", DEVICE_KINDS), ("dtype", RECORD_DTYPES), ("quant", RECORD_QUANTS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise RecordRejected(f"{name} {getattr(self, name)!r} is not one of {allowed}")
         if self.since is not None and not is_num(self.since):
             raise RecordRejected("since must be a finite non-negative number")
         if self.links is not None and not (

@@ -23,7 +23,7 @@ TYPED = {"bad_request", "protocol", "not_serving", "unknown_session", "out_of_ca
 @pytest.fixture(scope="module")
 def target(swarm, client, loop):
     info = loop.run(peer_client.info(client, swarm.procs["peer1"].peer_id))
-    return info["peer"], Span(info["start"], info["end"])
+    return info.peer, Span(info.start, info.end)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,8 @@ def tensors(draw) -> wire.Blob:
 
 
 def fields_for(kind: str):
-    good = {"model": MODEL_ID, "start": 2, "end": 4, "max_length": 16, "batch": 1, "dtype": "float32",
-            "step": 0, "position": 0}
+    good = {"model": MODEL_ID, "start": 2, "end": 4, "max_length": 16, "batch": 1, "encodings": ["float32", "int8"],
+            "encoding": "float32", "step": 0, "position": 0}
     keys = st.sampled_from(sorted(good) + ["type", "tensors", "session"])
     return st.dictionaries(keys, json_values, max_size=6).map(lambda bad: {**good, **bad, "type": kind})
 
@@ -89,8 +89,7 @@ def requests(draw):
     except ValueError:
         data = header({"type": mtype})
     if kind == "steps" and protocol == wire.SESSION_PROTOCOL:  # a good open first, then the odd message
-        opening = wire.Message(wire.OPEN, {"model": MODEL_ID, "start": 2, "end": 4, "max_length": 16, "batch": 1,
-                                           "dtype": "float32"})
+        opening = wire.Open(MODEL_ID, 2, 4, 16, 1, ("float32", "int8")).to_message()
         return protocol, b"".join(bytes(f) for f in wire.encode(opening)) + data, 2
     return protocol, data, 1
 
@@ -132,7 +131,7 @@ def test_malformed_requests_get_typed_errors_and_the_peer_keeps_serving(target, 
         assert reply.type in (wire.OPENED, wire.OUTPUT, wire.INFO, wire.ERROR)
         if reply.type == wire.ERROR:
             assert reply.fields["code"] in TYPED, reply.fields
-    assert loop.run(peer_client.info(client, peer))["errors"].get("internal", 0) == 0
+    assert loop.run(peer_client.info(client, peer)).errors.get("internal", 0) == 0
     honest_session()
 
 
@@ -145,8 +144,8 @@ def test_fixed_bad_steps(target, client, loop, honest_session, case):
         if case == "unknown session":
             stream = await client.open(peer, wire.SESSION_PROTOCOL)
             try:
-                await wire.write_message(stream.writer, wire.Message(wire.STEP, {"step": 0, "position": 0},
-                                                                     (wire.blob_of(torch.zeros(1, 1, 64)),)))
+                step = wire.Step(0, 0, wire.Hidden.encode(torch.zeros(1, 1, 64), "float32"))
+                await wire.write_message(stream.writer, step.to_message())
                 reply = await wire.read_message(stream.reader, 1 << 20)
             finally:
                 await stream.aclose()
@@ -161,14 +160,13 @@ def test_fixed_bad_steps(target, client, loop, honest_session, case):
             if case == "second open":
                 await wire.write_message(session.stream.writer, wire.Message(wire.OPEN, {"model": MODEL_ID}))
                 return (await wire.read_message(session.stream.reader, 1 << 20)).fields["code"]
-            x, pos, mask = torch.randn(1, 2, 64), 0, None
+            x, pos, mask, encoding = torch.randn(1, 2, 64), 0, None, "float32"
             if case == "nan":
                 x[0, 1, 5] = float("nan")
             elif case == "shape":
                 x = torch.randn(1, 2, 65)
             elif case == "dtype":
-                x = x.half()
-                session.dtype = torch.float16  # send float16 into a float32 session
+                encoding = "float16"  # send float16 into a session opened for float32 only
             elif case == "gap":
                 pos = 3
             elif case == "past max length":
@@ -176,10 +174,9 @@ def test_fixed_bad_steps(target, client, loop, honest_session, case):
             elif case == "mask values":
                 mask = torch.full((1, 2), 7, dtype=torch.int64)
             try:
-                await session.step(x, pos, mask)
+                await session.step(x, pos, mask, encoding)
             except Exception as e:
                 # the session survives a bad step: a good one right after works
-                session.dtype = torch.float32
                 await session.step(torch.randn(1, 2, 64), 0)
                 return e.code
             return "accepted"

@@ -99,15 +99,18 @@ def test_a_push_that_cannot_leave_is_reported_and_the_session_goes_on(probe, loo
         try:
             x = torch.randn(1, 1, 64)
             nowhere = [{"peer": Identity.generate().peer_id, "session": "s0-nothing", "step": 0}]
-            step = await session.send(x, 0, chain=nowhere)
+            step = await session.send(x, 0, chain=[wire.ChainHop(**nowhere[0])])
             out = await session.receive(step, tuple(x.shape), 10)
             assert session.pushed is False
             torch.testing.assert_close(out, await session.step(x, 0))  # same output, no harm done
             for bad in ([{"peer": "not a peer id!", "session": "s", "step": 1}],  # not base58
                         [{"peer": peer, "session": "s", "step": 1}],  # this peer itself: a loop
                         [dict(nowhere[0], step=1), dict(nowhere[0], step=2)]):  # one peer twice
-                with pytest.raises(BadRequest, match="'next'"):
-                    step = await session.send(x, 0, chain=bad)
+                with pytest.raises(BadRequest, match="'next'"):  # as a client that builds its own messages sends it
+                    step = session.reserve()
+                    await wire.write_message(session.stream.writer, wire.Message(wire.STEP, {
+                        "step": step, "position": 0, "encoding": "float32", "next": bad},
+                        wire.Hidden.encode(x, "float32").blobs))
                     await session.receive(step, tuple(x.shape), 10)
             torch.testing.assert_close(await session.step(x, 0), out)
         finally:
@@ -127,7 +130,8 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
         push = await node.open(peer, wire.PUSH_PROTOCOL)
 
         async def send(fields, x):
-            await wire.write_message(push.writer, wire.Message(wire.PUSH, fields, (wire.blob_of(x),)))
+            await wire.write_message(push.writer, wire.Message(wire.PUSH, {**fields, "encoding": "float32"},
+                                                               (wire.blob_of(x),)))
 
         try:
             x0, x1, x2 = torch.randn(1, 3, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)
@@ -150,4 +154,4 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
         return await peer_client.info(node, peer)
 
     info = loop.run(scenario(), timeout=60)
-    assert info["pushes"]["received"] >= 1 and info["pushes"]["stale"] >= 3 and info["pushes"]["dropped"] >= 1
+    assert info.pushes["received"] >= 1 and info.pushes["stale"] >= 3 and info.pushes["dropped"] >= 1

@@ -21,7 +21,7 @@ ATTACKERS, ROUNDS = 16, 16
 
 def target(swarm, client, loop, name: str) -> tuple[str, Span]:
     info = loop.run(peer_client.info(client, swarm.procs[name].peer_id))
-    return info["peer"], Span(info["start"], info["end"])
+    return info.peer, Span(info.start, info.end)
 
 
 def test_flood_of_whole_cache_sessions_is_refused_fast(swarm, client, loop):
@@ -86,18 +86,18 @@ def test_sessions_beyond_the_limit_are_busy(swarm, client, loop):
     assert other == []
     assert opened == MAX_SESSIONS and busy == 8
     info = lambda: loop.run(peer_client.info(client, peer))  # noqa: E731
-    wait_until(lambda: info()["sessions"] == 0, 10, "closed sessions to be released")
-    assert info()["cache_tokens_left"] == CACHE_TOKENS
+    wait_until(lambda: info().sessions == 0, 10, "closed sessions to be released")
+    assert info().cache_tokens_left == CACHE_TOKENS
 
 
 def test_idle_sessions_give_their_cache_back(swarm, client, loop):
     peer, span = target(swarm, client, loop, "peer0")
     session = loop.run(peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=300))
     info = lambda: loop.run(peer_client.info(client, peer))  # noqa: E731
-    assert info()["cache_tokens_left"] == CACHE_TOKENS - 300
+    assert info().cache_tokens_left == CACHE_TOKENS - 300
     loop.run(session.step(torch.randn(1, 2, 64), 0))
     started = time.monotonic()
-    wait_until(lambda: info()["cache_tokens_left"] == CACHE_TOKENS, IDLE_TIMEOUT + 10, "the idle session's cache")
+    wait_until(lambda: info().cache_tokens_left == CACHE_TOKENS, IDLE_TIMEOUT + 10, "the idle session's cache")
     assert time.monotonic() - started >= IDLE_TIMEOUT - 1
     with pytest.raises(UnknownSession):
         loop.run(session.step(torch.randn(1, 1, 64), 2))

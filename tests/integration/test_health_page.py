@@ -27,6 +27,7 @@ from bootstrap.monitor import Monitor
 from swarm.errors import SwarmUnreachable
 from swarm.identity import Identity
 from swarm.records import Announcement
+from swarm.wire import Info
 from swarm_harness import LocalSwarm, wait_until
 
 pytestmark = pytest.mark.integration
@@ -123,6 +124,7 @@ def test_json_and_metrics(health_swarm, page):
         assert f"{peer['start']}:{peer['end']}" == blocks
         assert peer["latency_ms"] > 0 and peer["sessions"] == 0 and peer["cache_tokens_left"] == 1024
         assert peer["throughput"] > 0 and peer["version"] and peer["name"] == "…" + peer["peer"][-8:]
+        assert (peer["device"], peer["dtype"], peer["quant"]) == ("cpu", "float32", "none")  # as its info says
 
     content_type, body, _ = get(page + "metrics")
     text = body.decode()
@@ -204,10 +206,10 @@ def rendered(snapshot: health.Snapshot, interval: float = 1.0) -> str:
     return asyncio.run(serve())
 
 
-def snapshot_of(version: str, taken_at: float) -> health.Snapshot:
+def snapshot_of(version: str, taken_at: float, **computes) -> health.Snapshot:
     peer = Identity.generate().peer_id
     record = Announcement(peer, "m", 0, 2, "online", 1.0, 1.0, 100, version, 1, taken_at, 2)
-    reply = health.Ping(1.0, {"model": "m", "start": 0, "end": 2})
+    reply = health.Ping(1.0, Info(peer, "m", 0, 2, **computes))
     return health.build_snapshot([record], {peer: reply}, {"m": 2}, taken_at)
 
 
@@ -225,6 +227,12 @@ def test_a_hostile_version_string_is_shown_as_text():
     assert not any(e.tag == "img" for e in found)
     assert "&lt;img src=x onerror=alert(1)&gt;" in dom
     assert status_of(dom)[0] == set()  # a fresh snapshot is not stale
+
+
+def test_each_peer_shows_its_device_and_weight_format():
+    dom = rendered(snapshot_of("0.1.0", time.time(), device="cuda", dtype="bfloat16", quant="nf4"))
+    cells = dom.split('data-peer="', 1)[1].split("</tr>", 1)[0]
+    assert "<td>cuda</td>" in cells and "<td>nf4/bfloat16</td>" in cells
 
 
 def test_a_stale_snapshot_is_flagged_red():

@@ -79,7 +79,7 @@ def test_idle_peer_reports_its_state(metered, url):
     got = Scrape(url)
     assert got.content_type.startswith("text/plain")
     labels = {"peer": metered.procs["metered"].peer_id, "model": MODEL_ID, "start": "0", "end": "6",
-              "version": __version__, "dtype": "float32"}
+              "version": __version__, "device": "cpu", "dtype": "float32", "quant": "none"}
     assert got["swarm_peer_info", labels] == 1
     assert (got["swarm_peer_cache_tokens"], got["swarm_peer_cache_tokens_left"]) == (CACHE_TOKENS, CACHE_TOKENS)
     assert (got["swarm_peer_sessions_open"], got["swarm_peer_cache_tokens_used"]) == (0, 0)
@@ -88,7 +88,7 @@ def test_idle_peer_reports_its_state(metered, url):
 
 def test_session_steps_and_errors_are_counted(metered, url, node, loop):
     peer = metered.procs["metered"].peer_id
-    hidden_size = loop.run(peer_client.info(node, peer))["hidden_size"]
+    hidden_size = loop.run(peer_client.info(node, peer)).hidden_size
     before = Scrape(url)
     tokens = (5, 1, 1)  # a prefill, then two decode steps
 
@@ -127,7 +127,7 @@ def test_session_steps_and_errors_are_counted(metered, url, node, loop):
 
 def test_forwards_are_counted(metered, url, node, loop):
     peer = metered.procs["metered"].peer_id
-    hidden_size = loop.run(peer_client.info(node, peer))["hidden_size"]
+    hidden_size = loop.run(peer_client.info(node, peer)).hidden_size
     before = Scrape(url)
     loop.run(peer_client.forward(node, peer, MODEL_ID, ALL, torch.randn(3, 4, hidden_size)))
     after = Scrape(url)

@@ -21,7 +21,7 @@ from swarm_harness import MODEL_ID as MODEL
 def route(swarm, client, loop):
     """(peer id, span) for each peer, ordered by span, read from the peers themselves."""
     infos = [loop.run(peer_client.info(client, p.peer_id)) for p in swarm.procs.values() if p.name.startswith("peer")]
-    return sorted(((i["peer"], Span(i["start"], i["end"])) for i in infos), key=lambda r: r[1].start)
+    return sorted(((i.peer, Span(i.start, i.end)) for i in infos), key=lambda r: r[1].start)
 
 
 def test_peers_without_blocks_cover_every_block_once(route, client, loop):

@@ -128,9 +128,8 @@ def test_a_bad_item_fails_the_batch_before_any_cache_changes(tiny_checkpoint):
 # ---- the servicer's batch function ----
 
 
-def step_message(step: int, position: int, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> wire.Message:
-    tensors = (wire.blob_of(hidden),) + ((wire.blob_of(mask),) if mask is not None else ())
-    return wire.Message(wire.STEP, {"step": step, "position": position}, tensors)
+def step_message(step: int, position: int, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> wire.Step:
+    return wire.Step(step, position, wire.Hidden.encode(hidden, "float32"), None if mask is None else wire.blob_of(mask))
 
 
 @torch.inference_mode()
@@ -140,17 +139,17 @@ def test_servicer_batches_steps_and_fails_bad_ones_alone(tiny_checkpoint):
     reference = SpanBlocks(path, Span(0, 6))
     metrics = PeerMetrics()
     config = PeerConfig(model=Path(path))
-    fields = {"model": "m", "start": 0, "end": 6, "max_length": MAX_LENGTH, "dtype": "float32"}
+    fields = {"model": "m", "start": 0, "end": 6, "max_length": MAX_LENGTH}
     g = torch.Generator().manual_seed(0)
 
     with Runtime() as runtime:
         servicer = Servicer(config, Served("peer", "m", Span(0, 6), "v"), blocks, runtime,
                             SessionTable(config.cache_tokens, config.max_sessions), metrics)
-        opened = [servicer._open({**fields, "batch": b}) for b in (1, 1, 2, 1, 1, 1)]
+        opened = [servicer._open(wire.Open(**fields, batch=b)) for b in (1, 1, 2, 1, 1, 1)]
         refs = [reference.new_cache(s.batch, MAX_LENGTH) for s in opened]
         prompts = [torch.randn(s.batch, n, 64, generator=g) for s, n in zip(opened, (3, 7, 12, 5, 4, 6))]
         for s, ref, prompt in zip(opened, refs, prompts):
-            servicer._compute_step(s, prompt, None, 0)
+            servicer.compute.step(s, step_message(0, 0, prompt))
             reference(prompt, ref, 0)
         steps = [torch.randn(s.batch, 1, 64, generator=g) for s in opened]
         steps[3][0, 0, 0] = float("nan")  # fails alone
@@ -177,12 +176,12 @@ def test_servicer_batches_steps_and_fails_bad_ones_alone(tiny_checkpoint):
     assert isinstance(replies[4], UnknownSession)
     shared = [0, 1, 2]
     for i in (*shared, 5):
-        out = wire.tensor_of(replies[i].tensors[0])
+        out = replies[i].hidden.decode()
         expected = reference(steps[i], refs[i], positions[i])
         torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
-        assert replies[i].fields["length"] == positions[i] + 1 == opened[i].cache.length
+        assert replies[i].length == positions[i] + 1 == opened[i].cache.length
         assert_caches_equal(opened[i].cache, refs[i])
-    assert len({replies[i].fields["compute_ms"] for i in shared}) == 1  # the shared forward's time
+    assert len({replies[i].compute_ms for i in shared}) == 1  # the shared forward's time
     assert opened[3].cache.length == 5  # the bad step left its session's cache untouched
     batch_sizes = {s.labels.get("le"): s.value for m in metrics.registry.collect() if m.name == "swarm_peer_batch_size"
                    for s in m.samples if s.name.endswith("_bucket")}
@@ -197,14 +196,14 @@ def test_a_session_closed_during_a_shared_forward_fails_no_other_session(tiny_ch
     path = tiny_checkpoint("llama")
     blocks = SpanBlocks(path, Span(0, 6))
     config = PeerConfig(model=Path(path))
-    fields = {"model": "m", "start": 0, "end": 6, "max_length": 128, "batch": 1, "dtype": "float32"}
+    fields = wire.Open("m", 0, 6, 128, 1)
     g = torch.Generator().manual_seed(1)
     with Runtime() as runtime:
         servicer = Servicer(config, Served("peer", "m", Span(0, 6), "v"), blocks, runtime,
                             SessionTable(config.cache_tokens, config.max_sessions), PeerMetrics())
         opened = [servicer._open(fields) for _ in range(4)]
         for s, n in zip(opened, (3, 4, 5, 100)):  # 3, 4, 5 share a forward; 100 runs apart
-            servicer._compute_step(s, torch.randn(1, n, 64, generator=g), None, 0)
+            servicer.compute.step(s, step_message(0, 0, torch.randn(1, n, 64, generator=g)))
         real, calls = blocks.decode_batch, []
 
         def closing(items):
@@ -214,7 +213,7 @@ def test_a_session_closed_during_a_shared_forward_fails_no_other_session(tiny_ch
 
         monkeypatch.setattr(blocks, "decode_batch", closing)
         steps = [torch.randn(1, 1, 64, generator=g) for _ in opened]
-        results = servicer._compute_batch([(s, x, None, s.cache.length) for s, x in zip(opened, steps)])
+        results = servicer.compute.batch([(s, step_message(1, s.cache.length, x)) for s, x in zip(opened, steps)])
     assert calls == [3]  # one shared forward for the three short caches; the long one alone
     assert all(isinstance(r, tuple) for r in results), results
     assert [r[2] for r in results] == [4, 5, 6, 101]

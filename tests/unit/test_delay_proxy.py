@@ -69,6 +69,26 @@ def test_payload_integrity_and_round_trip():
     asyncio.run(main())
 
 
+def test_a_rate_limit_makes_a_transfer_take_its_size_over_the_rate():
+    async def main():
+        server, port = await echo_server()
+        async with server, DelayProxy(rtt_ms=10, rate_mbit=40) as proxy:  # 5 MB/s each way
+            fwd = await proxy.add(0, port)
+            reader, writer = await asyncio.open_connection("127.0.0.1", fwd.listen_port)
+            assert 10 <= await ping_ms(reader, writer) < 10 + 15  # one byte: the delay alone
+            payload = os.urandom(2**20)
+            started = time.perf_counter()
+            writer.write(payload)
+            echoed = await reader.readexactly(len(payload))
+            took = time.perf_counter() - started
+            assert echoed == payload
+            # 1 MiB at 5 MB/s is 0.21 s one way; the echo pipelines behind it (chunks cross both links at once)
+            assert 0.2 <= took < 0.2 + 0.6, took
+            writer.close()
+
+    asyncio.run(main())
+
+
 def test_backpressure_bounds_what_waits():
     async def main():
         got = asyncio.Event()

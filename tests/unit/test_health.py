@@ -11,8 +11,10 @@ import pytest
 from bootstrap.health import (FORGET_AFTER, MAX_MODELS, SCHEMA_VERSION, Ping, Snapshot, build_snapshot, keep_models,
                               learn, list_models)
 from bootstrap.monitor import describe_blocks
+from swarm.errors import BadRequest
 from swarm.identity import Identity
 from swarm.records import Announcement
+from swarm.wire import Info, Message
 
 pytestmark = pytest.mark.unit
 
@@ -27,8 +29,13 @@ def ann(peer: str, start: int, end: int, state: str = "online", model: str = "m"
     return Announcement(**{**fields, **changes})
 
 
-def ping(**info) -> Ping:
-    return Ping(1.234, info)
+def ping(**info) -> Ping | None:
+    """The ping of a peer whose info reply has these fields; None (as the monitor records a peer whose reply
+    is malformed: unanswered) when the reply's decode refuses them."""
+    try:
+        return Ping(1.234, Info.from_message(Message("info", {"peer": PEERS[0], **info})))
+    except BadRequest:
+        return None
 
 
 def answer(a: Announcement, **info) -> Ping:
@@ -74,11 +81,13 @@ def test_peers_sorted_by_span_and_overlaps_counted():
 
 def test_a_model_without_peers_is_all_uncovered_and_info_values_are_checked():
     listed = ann(PEERS[0], 0, 2, model="a", num_blocks=2)
+    assert answer(listed, sessions="many") is None and answer(listed, cache_tokens_left=-5) is None
     snap = build_snapshot([listed], {PEERS[0]: answer(listed, sessions="many", cache_tokens_left=-5)},
                           {"a": 2, "b": 3}, NOW)
     assert [m.model for m in snap.models] == ["a", "b"]
-    assert snap.models[0].uncovered == () and snap.models[0].peers[0].sessions is None
-    assert snap.models[0].peers[0].cache_tokens_left == 1000  # a bad info figure falls back to the record's
+    # a malformed info reply is no answer: the peer is unreachable, its record's figures are shown
+    assert snap.models[0].uncovered == (0, 1) and snap.models[0].peers[0].state == "unreachable"
+    assert snap.models[0].peers[0].sessions is None and snap.models[0].peers[0].cache_tokens_left == 1000
     assert snap.models[1].peers == () and snap.models[1].uncovered == (0, 1, 2)
 
 
@@ -90,7 +99,8 @@ def test_json_document_and_gauges():
     (model,) = doc["models"]
     assert model["model"] == "m" and model["num_blocks"] == 6 and model["uncovered"] == [3, 4, 5]
     assert set(model["peers"][0]) == {"peer", "name", "start", "end", "state", "throughput", "cache_tokens_left",
-                                      "sessions", "queued", "version", "latency_ms", "record_age_s"}
+                                      "sessions", "queued", "version", "latency_ms", "record_age_s", "device",
+                                      "dtype", "quant"}
     gauges = {(name, tuple(sorted(labels.items()))): value for name, _, value, labels in snap.gauges()}
     assert gauges[("swarm_monitor_peers", (("model", "m"), ("state", "online")))] == 1
     assert gauges[("swarm_monitor_peers", (("model", "m"), ("state", "unreachable")))] == 1

@@ -17,6 +17,7 @@ from bootstrap.monitor import JSON_PATH, Monitor
 from swarm import calls, discovery, records
 from swarm.errors import SwarmUnreachable
 from swarm.identity import Identity
+from swarm.wire import Info
 
 pytestmark = pytest.mark.unit
 
@@ -58,7 +59,7 @@ class FakeSwarm:
 
     def answer(self, *anns: records.Announcement) -> None:
         for a in anns:
-            self.replies[a.peer] = {"model": a.model, "start": a.start, "end": a.end, "sessions": 0}
+            self.replies[a.peer] = Info(a.peer, a.model, a.start, a.end, sessions=0)
 
 
 @pytest.fixture

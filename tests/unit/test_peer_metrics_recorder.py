@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
+from swarm import wire
 from swarm.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -22,10 +23,10 @@ def scrape(metrics: PeerMetrics) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def fake_info(**changes) -> dict:
+def fake_info(**changes) -> wire.Info:
     info = {"peer": "12D3KooWpeer", "model": "tiny", "start": 2, "end": 5, "version": "0.1.0", "dtype": "float32",
             "sessions": 0, "max_sessions": 8, "cache_tokens": 1000, "cache_tokens_left": 1000, "queued": 0}
-    return {**info, **changes}
+    return wire.Info(**{**info, **changes})
 
 
 def test_state_is_read_at_each_scrape():
@@ -35,8 +36,8 @@ def test_state_is_read_at_each_scrape():
     first = scrape(metrics)
     info = fake_info(sessions=2, cache_tokens_left=700, queued=3)
     second = scrape(metrics)
-    labels = (("dtype", "float32"), ("end", "5"), ("model", "tiny"), ("peer", "12D3KooWpeer"), ("start", "2"),
-              ("version", "0.1.0"))
+    labels = (("device", "cpu"), ("dtype", "float32"), ("end", "5"), ("model", "tiny"), ("peer", "12D3KooWpeer"),
+              ("quant", "none"), ("start", "2"), ("version", "0.1.0"))
     assert first[("swarm_peer_info", labels)] == 1
     assert [first[(f"swarm_peer_{n}", ())] for n in ("sessions_open", "max_sessions", "cache_tokens",
                                                       "cache_tokens_used", "cache_tokens_left", "queued_steps")] \

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from peer.push import parse_chain
+from peer.servicer import check_chain
 from swarm.errors import BadRequest
 from swarm.identity import Identity
+from swarm.wire import ChainHop
+
+
+def parse_chain(value, own_id: str):
+    """The `next` field as the servicer sees it: its form checked by the message's decode, then the chain."""
+    return check_chain(ChainHop.parse_all(value), own_id)
 
 ME, A, B = (Identity.generate().peer_id for _ in range(3))
 
@@ -18,7 +24,7 @@ def hop(peer: str, step: int = 1, session: str = "s1-abc") -> dict:
 
 def test_a_valid_chain_is_returned_as_given():
     assert parse_chain(None, ME) is None
-    assert parse_chain([hop(A, 3), hop(B, 7)], ME) == [hop(A, 3), hop(B, 7)]
+    assert parse_chain([hop(A, 3), hop(B, 7)], ME) == (ChainHop(A, "s1-abc", 3), ChainHop(B, "s1-abc", 7))
 
 
 @pytest.mark.parametrize("value, match", [

@@ -1,0 +1,131 @@
+"""The peer's compute, in one place: the device and precision, the served blocks, the sessions' caches and
+the batching of decode steps. The runtime's worker thread calls it (`Runtime.run`); the servicer only
+speaks the protocol. Every device runs this same code: the blocks live on `precision.device`, inputs are
+decoded from their wire encoding and moved there, outputs come back encoded in the step's encoding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from peer.sessions import Session
+from swarm import wire
+from swarm.blocks import SpanBlocks
+from swarm.errors import BadRequest, UnknownSession
+from swarm.precision import Precision
+from swarm.span import Span
+
+PAD_SLACK = 64  # tokens of padding a batched forward may add to any session regardless of the ratio
+
+
+def similar_lengths(shared: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+    """Split (item, cache) pairs into groups of similar cache length: a batched forward pads every cache to
+    the longest of its group (a temporary copy), so a long session never makes short ones copy its length.
+    Within a group the longest is at most twice the shortest plus `PAD_SLACK` tokens."""
+    groups: list[list[tuple[int, Any]]] = []
+    for pair in sorted(shared, key=lambda p: p[1].length):
+        if groups and pair[1].length <= 2 * groups[-1][0][1].length + PAD_SLACK:
+            groups[-1].append(pair)
+        else:
+            groups.append([pair])
+    return groups
+
+
+def decode_inputs(hidden: wire.Hidden, mask: wire.Blob | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's tensors, decoded and checked: finite hidden states, a 0/1 mask."""
+    x = hidden.decode()
+    if not torch.isfinite(x).all():
+        raise BadRequest("hidden states contain NaN or infinity")
+    m = None
+    if mask is not None:
+        m = wire.tensor_of(mask)
+        if m.dtype == torch.int64 and not ((m == 0) | (m == 1)).all():
+            raise BadRequest("attention mask must hold only 0 and 1")
+    return x, m
+
+
+class Compute:
+    """What runs on the compute thread. `blocks` is the active span's (replaced by `activate` on a move);
+    a session keeps the blocks it opened with."""
+
+    def __init__(self, precision: Precision, blocks: SpanBlocks | None, on_batch=None):
+        self.precision, self.blocks = precision, blocks
+        self.on_batch = on_batch  # called with the size of each shared forward (metrics)
+
+    def open(self, session: Session, batch: int, max_length: int, span: Span) -> None:
+        """Give a new session its cache on the active blocks."""
+        session.cache = self.blocks.new_cache(batch, max_length, span)
+        session.blocks = self.blocks
+
+    # ---- on the compute thread ----
+
+    def step(self, session: Session, step: wire.Step) -> tuple[wire.Hidden, float, int, int]:
+        """(output in the step's encoding, compute ms, cache length, sessions that shared the forward: 1)."""
+        cache, blocks = session.cache, session.blocks  # read once: the event loop drops them if it closes
+        self._check_open(session)
+        hidden, mask = decode_inputs(step.hidden, step.mask)
+        started = time.perf_counter()
+        out = blocks(hidden, cache, step.position, mask)
+        ms = (time.perf_counter() - started) * 1e3
+        return wire.Hidden.encode(out, step.hidden.encoding), ms, cache.length, 1
+
+    def batch(self, items: list[tuple[Session, wire.Step]]) -> list[Any]:
+        """One-token steps of several sessions (`step`'s arguments each).
+
+        Steps at their cache's end share one forward; a step that rolls back runs alone; a bad step fails
+        alone. Per item: `step`'s result or the item's error. compute_ms of a shared forward is the whole
+        forward's time, the same for every session in it.
+        """
+        results: list[Any] = [None] * len(items)
+        shared: list[tuple[int, Any]] = []  # (item, its cache), read once: a session may close meanwhile
+        inputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        blocks = None  # one batch key: the same blocks for every item
+        for i, (session, step) in enumerate(items):
+            try:
+                cache = session.cache
+                blocks = session.blocks if session.blocks is not None else blocks
+                self._check_open(session)
+                if step.position == cache.length:
+                    inputs[i] = decode_inputs(step.hidden, step.mask)
+                    blocks.check_step(inputs[i][0], cache, step.position, inputs[i][1])
+                    shared.append((i, cache))
+                else:
+                    results[i] = self.step(session, step)
+            except Exception as e:  # boundary: one item's error goes to its own session only
+                results[i] = e
+        for group in similar_lengths(shared):
+            if len(group) == 1:
+                try:
+                    results[group[0][0]] = self.step(*items[group[0][0]])
+                except Exception as e:  # boundary: as above
+                    results[group[0][0]] = e
+                continue
+            started = time.perf_counter()
+            try:
+                outs = blocks.decode_batch([(cache, *inputs[i]) for i, cache in group])
+            except Exception as e:  # boundary: every session of a failed forward gets its error; caches untouched
+                for i, _ in group:
+                    results[i] = e
+                continue
+            compute_ms = (time.perf_counter() - started) * 1e3
+            if self.on_batch is not None:
+                self.on_batch(len(group))
+            for (i, cache), out in zip(group, outs):
+                results[i] = (wire.Hidden.encode(out, items[i][1].hidden.encoding), compute_ms, cache.length,
+                              len(group))
+        return results
+
+    def forward(self, span: Span, forward: wire.Forward) -> tuple[wire.Hidden, float]:
+        """A stateless forward of whole sequences through `span` of the active blocks."""
+        hidden, mask = decode_inputs(forward.hidden, forward.mask)
+        started = time.perf_counter()
+        out = self.blocks(hidden, None, 0, mask, span=span)
+        return wire.Hidden.encode(out, forward.hidden.encoding), (time.perf_counter() - started) * 1e3
+
+    @staticmethod
+    def _check_open(session: Session) -> None:
+        if session.closed:
+            raise UnknownSession(f"session {session.id} was closed")

@@ -1,0 +1,147 @@
+"""Typed messages and hidden-state encodings: every message round-trips through its dataclass, a
+malformed one is a `BadRequest` naming what is wrong, and the encodings keep their promises (bytes,
+bounded error, decode of an encode is a fixed point, so a replay sends exactly what was first sent)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from swarm import wire
+from swarm.errors import BadRequest, NotServing
+
+pytestmark = pytest.mark.unit
+
+PEER = "12D3KooWBfmETW1ZbkdZbKKPpE3jpjyQ5WBXoDF8y9oE8vMQPKLi"
+
+
+def over_the_wire(msg: wire.Message) -> wire.Message:
+    async def run():
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"".join(bytes(f) for f in wire.encode(msg)))
+        reader.feed_eof()
+        return await wire.read_message(reader, 1 << 26)
+
+    return asyncio.run(run())
+
+
+def hidden(encoding: str = "float32", shape=(2, 3, 64), seed: int = 0) -> wire.Hidden:
+    return wire.Hidden.encode(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), encoding)
+
+
+MESSAGES = [
+    wire.Open("tiny", 2, 5, 128, 2, ("bfloat16", "int8", "float32")),
+    wire.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda"),
+    wire.Step(7, 3, hidden("float16"), wire.blob_of(torch.ones(2, 6, dtype=torch.bool)),
+              (wire.ChainHop(PEER, "s2-cd", 4),)),
+    wire.Step(0, 0, hidden("int8")),
+    wire.Push("s2-cd", 4, 3, hidden("bfloat16"), None, None),
+    wire.Output(hidden("int8"), 1.25, 7, 3, 6, True, None),
+    wire.Output(hidden("float32"), 0.5),
+    wire.Close(),
+    wire.Forward("tiny", 0, 6, hidden(), wire.blob_of(torch.ones(2, 3, dtype=torch.int64))),
+    wire.InfoRequest(),
+    wire.Info(PEER, "tiny", 0, 6, "0.1.0", "bfloat16", "none", "cpu", 64, 1, 8, 1000, 900, 128, 8, 0, 12.5, 300.0,
+              0.4, 0, 1, {"bad_request": 2}, {"sent": 10, "received": 20}, {"received": 1}),
+    wire.Error.of(NotServing("no"), 3),
+]
+
+
+def same(a, b) -> bool:
+    """Dataclass equality, with tensors' bytes compared (memoryviews and bytearrays differ as objects)."""
+    if isinstance(a, wire.Blob):
+        return (a.dtype, a.shape, bytes(a.data)) == (b.dtype, b.shape, bytes(b.data))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    return a == b
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=[f"{type(m).__name__}{i}" for i, m in enumerate(MESSAGES)])
+def test_every_message_round_trips(msg):
+    got = type(msg).from_message(over_the_wire(msg.to_message()))
+    assert same(got, msg)
+
+
+@pytest.mark.parametrize("cls, fields, tensors, match", [
+    (wire.Open, {"model": "m", "start": 3, "end": 3, "max_length": 8, "batch": 1, "encodings": ["float32"]}, (),
+     "'end'"),
+    (wire.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1}, (), "encodings"),
+    (wire.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1, "encodings": ["int4"]}, (),
+     "encoding"),
+    (wire.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1,
+                 "encodings": ["int8", "int8"]}, (), "distinct"),
+    (wire.Step, {"step": 1, "position": 0, "encoding": "float32"}, (), "need 1 tensors"),
+    (wire.Step, {"step": 1, "position": 0, "encoding": "float16"}, hidden("float32").blobs, "said to be float16"),
+    (wire.Step, {"step": 1, "position": 0, "encoding": "int8"}, hidden("float32").blobs, "int8"),
+    (wire.Step, {"step": 1, "position": 0, "encoding": "int8"},
+     (hidden("int8").blobs[0], wire.blob_of(torch.zeros(2, 3, 3, dtype=torch.int8))), "exponents"),
+    (wire.Step, {"step": -1, "position": 0, "encoding": "float32"}, hidden().blobs, "'step'"),
+    (wire.Step, {"step": 1, "position": 0, "encoding": "float32", "next": [{"peer": "0OIl", "session": "s",
+                                                                           "step": 1}]},
+     hidden().blobs, "invalid peer id"),
+    (wire.Step, {"step": 1, "position": 0, "encoding": "float32"},
+     hidden().blobs + (wire.blob_of(torch.ones(2, 3)),), "attention mask"),
+    (wire.Output, {"encoding": "float32", "pushed": "yes"}, hidden().blobs, "pushed"),
+    (wire.Output, {"encoding": "float32", "compute_ms": float("inf")}, hidden().blobs, "compute_ms"),
+    (wire.Info, {"peer": PEER, "model": "m", "start": 0, "end": 2, "sessions": "many"}, (), "sessions"),
+    (wire.Info, {"peer": PEER, "model": "m", "start": False, "end": 2}, (), "'start'"),
+    (wire.Close, {}, (), None),
+])
+def test_malformed_messages_are_bad_requests(cls, fields, tensors, match):
+    if match is None:  # a message of another type
+        with pytest.raises(BadRequest, match="expected a 'close' message"):
+            cls.from_message(wire.Message(wire.STEP, {}, ()))
+        return
+    with pytest.raises(BadRequest, match=match):
+        cls.from_message(over_the_wire(wire.Message(cls.TYPE, fields, tensors)))
+
+
+def test_an_int8_exponent_that_would_overflow_is_refused_on_decode():
+    values = wire.blob_of(torch.full((1, 1, 64), 127, dtype=torch.int8))
+    exps = wire.blob_of(torch.full((1, 1, 2), 127, dtype=torch.int8))
+    step = wire.Step.from_message(wire.Message(wire.STEP, {"step": 0, "position": 0, "encoding": "int8"},
+                                               (values, exps)))
+    with pytest.raises(BadRequest, match="overflow"):
+        step.hidden.decode()
+
+
+# ---- encodings ----
+
+@pytest.mark.parametrize("encoding, ratio, error", [
+    ("float32", 1.0, 0.0), ("float16", 0.5, 1e-3), ("bfloat16", 0.5, 8e-3), ("int8", 0.26, 0.02)])
+def test_encodings_cost_and_error(encoding, ratio, error):
+    x = torch.randn(2, 16, 576, generator=torch.Generator().manual_seed(1)) * 4
+    sent = wire.Hidden.encode(x, encoding)
+    assert sent.nbytes <= ratio * x.numel() * 4 + 1
+    assert sent.nbytes == pytest.approx(x.shape[0] * x.shape[1] * wire.encoding_bytes(encoding, 576))
+    back = sent.decode().float()
+    assert (back - x).norm() / x.norm() <= error
+
+
+@settings(max_examples=60, deadline=None)
+@given(encoding=st.sampled_from(wire.ENCODINGS), hidden_size=st.sampled_from([1, 6, 48, 64, 100, 576]),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]), seed=st.integers(0, 2**16))
+def test_decode_of_encode_is_a_fixed_point(encoding, hidden_size, scale, seed):
+    """What a receiver decoded, encoded again, is the same bytes: a replay of the kept history is exact."""
+    x = torch.randn(1, 3, hidden_size, generator=torch.Generator().manual_seed(seed)) * scale
+    x[0, 0, 0] = 0.0
+    first = wire.Hidden.encode(x, encoding)
+    again = wire.Hidden.encode(first.decode(), encoding)
+    assert all(bytes(a.data) == bytes(b.data) for a, b in zip(first.blobs, again.blobs))
+    assert torch.equal(wire.round_trip(first.decode(), encoding), first.decode())
+    assert torch.isfinite(first.decode().float()).all() or encoding == "float16"
+
+
+def test_int8_keeps_zero_blocks_and_bounds_each_block_by_its_own_largest_value():
+    x = torch.zeros(1, 1, 64)
+    x[0, 0, 32:] = torch.linspace(-1000, 1000, 32)
+    x[0, 0, 5] = 1e-3  # its block is otherwise zero: its scale is its own
+    back = wire.round_trip(x, "int8")
+    assert back[0, 0, 6:32].abs().max() == 0
+    assert abs(back[0, 0, 5] - 1e-3) <= 1e-3 / 64
+    assert (back[0, 0, 32:] - x[0, 0, 32:]).abs().max() <= 1024 / 127
