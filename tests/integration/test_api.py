@@ -266,7 +266,7 @@ def test_malformed_requests(api, model_id):
     assert status == 404 and body["error"]["code"] == "not_found"
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{api}/completions", timeout=10)  # GET
-    assert e.value.code == 405 and json.loads(e.value.read()).error["code"] == "method_not_allowed"
+    assert e.value.code == 405 and json.loads(e.value.read())["error"]["code"] == "method_not_allowed"
 
 
 def test_oversize_body_is_413(api, model_id):

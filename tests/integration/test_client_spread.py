@@ -86,7 +86,7 @@ async def run_sessions(model) -> tuple[list[list[int]], list, dict[str, int]]:
         tokens = await asyncio.gather(*(greedy(s, model.head, started, opened) for s in sessions))
         routes = [s.route for s in sessions]
         peers = {h.peer for r in routes for h in r}
-        infos = {p: (await peer_client.info(client.node, p, timeout=10))["sessions"] for p in peers}
+        infos = {p: (await peer_client.info(client.node, p, timeout=10)).sessions for p in peers}
     finally:
         await asyncio.gather(*(s.close() for s in sessions))
     return tokens, routes, infos

@@ -21,7 +21,17 @@ from swarm.wire import Info
 
 pytestmark = pytest.mark.unit
 
-IDS = [Identity.generate() for _ in range(4)]
+def _in_distinct_buckets(n: int) -> list[Identity]:
+    """`n` identities whose directory buckets differ (random ids share one of the 64 now and then)."""
+    ids: list[Identity] = []
+    while len(ids) < n:  # bounded in practice: each new id collides with probability < n / 64
+        candidate = Identity.generate()
+        if records.directory_key(candidate.peer_id) not in {records.directory_key(i.peer_id) for i in ids}:
+            ids.append(candidate)
+    return ids
+
+
+IDS = _in_distinct_buckets(4)
 
 
 def ann(identity: Identity, start: int = 0, end: int = 6, model: str = "m", state: str = "online",

@@ -13,6 +13,7 @@ from peer import balancer
 from swarm.errors import ConnectionLost, StepTimeout
 from swarm.records import Announcement
 from swarm.span import Span
+from swarm.wire import Info
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +48,7 @@ class Swarm:
         if peer in self.silent:
             raise StepTimeout(f"{peer} sent no reply")
         mine = max((a for a in self.records if a.peer == peer), key=lambda a: a.seq)  # what it serves now
-        return {"peer": peer, "start": mine.start, "end": mine.end}
+        return Info(peer, "m", mine.start, mine.end)
 
 
 def view() -> balancer.SwarmView:
