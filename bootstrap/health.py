@@ -31,7 +31,7 @@ from typing import Any
 
 from swarm.records import Announcement
 from swarm.transport import describe_peer
-from swarm.wire import Info
+from swarm.messages import Info
 
 SCHEMA_VERSION = 1
 FORGET_AFTER = 3600.0  # seconds a model with no record left stays on the page (all red)

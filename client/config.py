@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from swarm.config import check_port, check_positive, option
 from swarm.errors import ConfigError
 from swarm.precision import DTYPES, PRECISIONS
-from swarm.wire import ENCODINGS
+from swarm.messages import ENCODINGS
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import itertools
 import time
 import torch
 
-from swarm import wire
+from swarm import messages, wire
 from swarm.calls import MAX_REPLY_BYTES, exchange, info, raise_if_error
 from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout
 from swarm.span import Span
@@ -24,11 +24,11 @@ __all__ = ["PeerSession", "forward", "info"]
 MAX_STALE_REPLIES = 8  # replies to earlier steps skipped while waiting for one step's output
 
 
-def _opened(reply: wire.Message, peer: str) -> wire.Opened:
+def _opened(reply: wire.Message, peer: str) -> messages.Opened:
     if reply.type != wire.OPENED:
         raise ProtocolError(f"peer {peer} answered 'open' with {reply.type!r}")
     try:
-        return wire.Opened.from_message(reply)
+        return messages.Opened.from_message(reply)
     except BadRequest as e:
         raise ProtocolError(f"peer {peer} answered 'open' with a malformed reply: {e}") from None
 
@@ -40,7 +40,7 @@ def _mask(mask: torch.Tensor | None) -> wire.Blob | None:
 class PeerSession:
     """An inference session with one peer over one stream: `async with await PeerSession.open(...)`."""
 
-    def __init__(self, stream: Stream, opened: wire.Opened, timeout: float):
+    def __init__(self, stream: Stream, opened: messages.Opened, timeout: float):
         self.stream, self.opened, self.timeout = stream, opened, timeout
         self.id: str = opened.session
         self.span = Span(opened.start, opened.end)
@@ -51,10 +51,10 @@ class PeerSession:
     @classmethod
     async def open(cls, node: Node, peer: str, model: str, span: Span, *, max_length: int, batch: int = 1,
                    encodings: tuple[str, ...] = ("float32",), timeout: float = 30.0) -> PeerSession:
-        """Open a session whose steps may use any of `encodings` (`swarm.wire.ENCODINGS`)."""
+        """Open a session whose steps may use any of `encodings` (`swarm.messages.ENCODINGS`)."""
         stream = await node.open(peer, wire.SESSION_PROTOCOL)
         try:
-            reply = await exchange(stream, wire.Open(model, span.start, span.end, max_length, batch,
+            reply = await exchange(stream, messages.Open(model, span.start, span.end, max_length, batch,
                                                      tuple(encodings)).to_message(), timeout)
             opened = _opened(reply, peer)
         except BaseException:
@@ -73,13 +73,13 @@ class PeerSession:
         return next(self._steps)
 
     async def send(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None, *,
-                   step: int | None = None, chain: list[wire.ChainHop] | None = None,
+                   step: int | None = None, chain: list[messages.ChainHop] | None = None,
                    encoding: str = "float32") -> int:
         """Send a step without waiting for its output; its step id. With `chain` (the hops after this one),
-        the peer pushes its output on to the next of them. The peer decodes `wire.round_trip(hidden,
+        the peer pushes its output on to the next of them. The peer decodes `messages.round_trip(hidden,
         encoding)`; its output comes back in the same encoding."""
         step = next(self._steps) if step is None else step
-        msg = wire.Step(step, position, wire.Hidden.encode(hidden, encoding), _mask(attention_mask),
+        msg = messages.Step(step, position, messages.Hidden.encode(hidden, encoding), _mask(attention_mask),
                         tuple(chain) if chain else None)
         try:
             await wire.write_message(self.stream.writer, msg.to_message())
@@ -115,7 +115,7 @@ class PeerSession:
 
     async def close(self) -> None:
         try:
-            await wire.write_message(self.stream.writer, wire.Close().to_message())
+            await wire.write_message(self.stream.writer, messages.Close().to_message())
         except (ConnectionError, OSError):
             pass  # the peer is gone: nothing to close
         await self.stream.aclose()
@@ -127,10 +127,10 @@ class PeerSession:
         await self.close()
 
 
-def _output(reply: wire.Message, peer: str, shape: tuple[int, ...]) -> tuple[wire.Output, torch.Tensor]:
+def _output(reply: wire.Message, peer: str, shape: tuple[int, ...]) -> tuple[messages.Output, torch.Tensor]:
     """The reply as an output of `shape`, and its hidden states decoded; a `ProtocolError` if malformed."""
     try:
-        output = wire.Output.from_message(reply)
+        output = messages.Output.from_message(reply)
         if tuple(output.hidden.shape) != tuple(shape):
             raise BadRequest(f"shape {list(output.hidden.shape)} for {list(shape)}")
         return output, output.hidden.decode()
@@ -144,7 +144,7 @@ async def forward(node: Node, peer: str, model: str, span: Span, hidden: torch.T
     """A stateless forward of whole sequences through `span` on `peer`."""
     stream = await node.open(peer, wire.FORWARD_PROTOCOL)
     try:
-        request = wire.Forward(model, span.start, span.end, wire.Hidden.encode(hidden, encoding), _mask(attention_mask))
+        request = messages.Forward(model, span.start, span.end, messages.Hidden.encode(hidden, encoding), _mask(attention_mask))
         reply = await exchange(stream, request.to_message(), timeout)
     finally:
         await stream.aclose()

@@ -51,7 +51,7 @@ from client.hops import Inputs, SlowDetector
 from client.peer_client import PeerSession
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient, retryable
-from swarm import wire
+from swarm import messages
 from swarm.errors import BadRequest, NoRoute, StepTimeout, SwarmError
 from swarm.transport import describe_peer
 
@@ -188,7 +188,7 @@ class InferenceSession:
         self.length, self.mask = position, None if self.mask is None else self.mask[:, :position]
         # what the first peer decodes, kept as sent; every later hop's input is an output as decoded
         encoding = self.encodings.for_tokens(tokens)
-        x, i, failed = wire.round_trip(hidden, encoding), 0, None
+        x, i, failed = messages.round_trip(hidden, encoding), 0, None
         while i < len(self.links):
             if failed is None and chainable and self._can_chain(i):
                 i, x, failed = await self._chain(i, x, position, mask, encoding)
@@ -470,7 +470,7 @@ class InferenceSession:
         next link to the client, which sends it the step itself."""
         links = self.links[i:]
         tokens, shape = x.shape[1], tuple(x.shape)
-        chain = [wire.ChainHop(link.hop.peer, link.session.id, link.session.reserve()) for link in links[1:]]
+        chain = [messages.ChainHop(link.hop.peer, link.session.id, link.session.reserve()) for link in links[1:]]
         now = time.monotonic()
         for link in links:
             link.used_before, link.used_at = link.used_at, now

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from peer.sessions import Session
-from swarm import wire
+from swarm import messages, wire
 from swarm.blocks import SpanBlocks
 from swarm.errors import BadRequest, UnknownSession
 from swarm.precision import Precision
@@ -34,7 +34,7 @@ def similar_lengths(shared: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]
     return groups
 
 
-def decode_inputs(hidden: wire.Hidden, mask: wire.Blob | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode_inputs(hidden: messages.Hidden, mask: wire.Blob | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's tensors, decoded and checked: finite hidden states, a 0/1 mask."""
     x = hidden.decode()
     if not torch.isfinite(x).all():
@@ -62,7 +62,7 @@ class Compute:
 
     # ---- on the compute thread ----
 
-    def step(self, session: Session, step: wire.Step) -> tuple[wire.Hidden, float, int, int]:
+    def step(self, session: Session, step: messages.Step) -> tuple[messages.Hidden, float, int, int]:
         """(output in the step's encoding, compute ms, cache length, sessions that shared the forward: 1)."""
         cache, blocks = session.cache, session.blocks  # read once: the event loop drops them if it closes
         self._check_open(session)
@@ -70,9 +70,9 @@ class Compute:
         started = time.perf_counter()
         out = blocks(hidden, cache, step.position, mask)
         ms = (time.perf_counter() - started) * 1e3
-        return wire.Hidden.encode(out, step.hidden.encoding), ms, cache.length, 1
+        return messages.Hidden.encode(out, step.hidden.encoding), ms, cache.length, 1
 
-    def batch(self, items: list[tuple[Session, wire.Step]]) -> list[Any]:
+    def batch(self, items: list[tuple[Session, messages.Step]]) -> list[Any]:
         """One-token steps of several sessions (`step`'s arguments each).
 
         Steps at their cache's end share one forward; a step that rolls back runs alone; a bad step fails
@@ -114,16 +114,16 @@ class Compute:
             if self.on_batch is not None:
                 self.on_batch(len(group))
             for (i, cache), out in zip(group, outs):
-                results[i] = (wire.Hidden.encode(out, items[i][1].hidden.encoding), compute_ms, cache.length,
+                results[i] = (messages.Hidden.encode(out, items[i][1].hidden.encoding), compute_ms, cache.length,
                               len(group))
         return results
 
-    def forward(self, span: Span, forward: wire.Forward) -> tuple[wire.Hidden, float]:
+    def forward(self, span: Span, forward: messages.Forward) -> tuple[messages.Hidden, float]:
         """A stateless forward of whole sequences through `span` of the active blocks."""
         hidden, mask = decode_inputs(forward.hidden, forward.mask)
         started = time.perf_counter()
         out = self.blocks(hidden, None, 0, mask, span=span)
-        return wire.Hidden.encode(out, forward.hidden.encoding), (time.perf_counter() - started) * 1e3
+        return messages.Hidden.encode(out, forward.hidden.encoding), (time.perf_counter() - started) * 1e3
 
     @staticmethod
     def _check_open(session: Session) -> None:

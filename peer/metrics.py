@@ -23,7 +23,7 @@ BATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def state(info: Any) -> list[tuple[str, str, float, dict[str, str]]]:
-    """The scrape-time gauges, from a `Servicer.info()` (`wire.Info`, or its fields as a dict)."""
+    """The scrape-time gauges, from a `Servicer.info()` (`messages.Info`, or its fields as a dict)."""
     info = info if isinstance(info, dict) else dataclasses.asdict(info)
     used = info["cache_tokens"] - info["cache_tokens_left"]
     return [

@@ -21,7 +21,7 @@ from peer.metrics import PeerMetrics
 from peer.push import Pusher
 from peer.runtime import Runtime
 from peer.sessions import Session, SessionTable
-from swarm import wire
+from swarm import messages, wire
 from swarm.blocks import SpanBlocks
 from swarm.errors import BadRequest, NotServing, ProtocolError, SwarmError, UnknownSession
 from swarm.precision import Precision
@@ -35,7 +35,7 @@ MAX_PUSHES_PER_SESSION = 2  # pushed steps of one session in progress at once; m
 MAX_PUSH_TASKS_PER_SESSION = 2  # ... and of all sessions, per allowed session
 
 
-def check_chain(chain: tuple[wire.ChainHop, ...] | None, own_id: str) -> tuple[wire.ChainHop, ...] | None:
+def check_chain(chain: tuple[messages.ChainHop, ...] | None, own_id: str) -> tuple[messages.ChainHop, ...] | None:
     """A step's `next`, checked beyond its form: each peer at most once and never this peer, so a chain
     cannot loop and one request costs every named peer at most one step."""
     if chain is None:
@@ -107,7 +107,7 @@ class Servicer:
             raise NotServing(f"blocks {span} are not within the served blocks {self.served.span}")
         return span
 
-    def _check_hidden(self, hidden: wire.Hidden, encodings: tuple[str, ...], batch_max: int) -> None:
+    def _check_hidden(self, hidden: messages.Hidden, encodings: tuple[str, ...], batch_max: int) -> None:
         if hidden.encoding not in encodings:
             raise BadRequest(f"hidden states must be encoded as {' or '.join(encodings)}, got {hidden.encoding}")
         size, shape = self.hidden_size, hidden.shape
@@ -137,12 +137,12 @@ class Servicer:
             reply = await handle(msg)
         except SwarmError as e:
             self._count(e)
-            reply = wire.Error.of(e, msg.fields.get("step")).to_message()
+            reply = messages.Error.of(e, msg.fields.get("step")).to_message()
             keep = not isinstance(e, (ProtocolError, UnknownSession))
         except Exception as e:  # boundary: a bug in one request is reported, the peer keeps serving
             logger.exception("request %s from %s failed", msg.type, describe_peer(stream.remote))
             self._count(SwarmError())
-            reply = wire.Error.of(SwarmError(f"internal error: {type(e).__name__}")).to_message()
+            reply = messages.Error.of(SwarmError(f"internal error: {type(e).__name__}")).to_message()
         if not await (send(reply) if send is not None else self._send(stream, reply)):
             logger.debug("%s went away before the reply to %s", describe_peer(stream.remote), msg.type)
             return False  # a client that left is not an error of ours
@@ -166,9 +166,9 @@ class Servicer:
             if msg.type == wire.OPEN:
                 if session is not None:
                     raise BadRequest("a session is already open on this stream")
-                session = self._open(wire.Open.from_message(msg))
+                session = self._open(messages.Open.from_message(msg))
                 session.send = send
-                return wire.Opened(session.id, session.span.start, session.span.end, session.batch,
+                return messages.Opened(session.id, session.span.start, session.span.end, session.batch,
                                    session.max_length, session.encodings, self.sessions.tokens_left,
                                    self.precision.dtype, self.precision.quant,
                                    self.precision.device_kind).to_message()
@@ -178,7 +178,7 @@ class Servicer:
                 if reclaimed:
                     raise UnknownSession(f"session {session.id} was idle for more than "
                                          f"{self.config.idle_timeout:.0f} s and its cache was reclaimed")
-                return await self._chained_step(self.sessions.get(session.id), wire.Step.from_message(msg))
+                return await self._chained_step(self.sessions.get(session.id), messages.Step.from_message(msg))
             raise BadRequest(f"unexpected message {msg.type!r} in a session")
 
         # A read is never cancelled midway (that would tear a message): it waits while steps pushed by
@@ -208,7 +208,7 @@ class Servicer:
                     return
                 except ProtocolError as e:
                     self._count(e)
-                    await send(wire.Error.of(e).to_message())
+                    await send(messages.Error.of(e).to_message())
                     return
                 if msg.type == wire.CLOSE:
                     return
@@ -220,7 +220,7 @@ class Servicer:
             if session is not None:
                 self.sessions.close(session.id)
 
-    async def _chained_step(self, session: Session, step: wire.Step) -> wire.Message:
+    async def _chained_step(self, session: Session, step: messages.Step) -> wire.Message:
         """A step from the session's client or pushed by the previous peer. With `next` (the rest of the
         client's route), the output is pushed on to the next peer before the reply says whether it left."""
         chain = check_chain(step.next, self.served.peer)
@@ -234,12 +234,12 @@ class Servicer:
             output = dataclasses.replace(output, pushed=reason is None, push_error=reason)
         return output.to_message()
 
-    async def _push(self, step: wire.Step, output: wire.Output, chain: tuple[wire.ChainHop, ...]) -> str | None:
+    async def _push(self, step: messages.Step, output: messages.Output, chain: tuple[messages.ChainHop, ...]) -> str | None:
         if self.pusher is None or not self.config.push:
             return "disabled"
         first, rest = chain[0], chain[1:]
         # the output, in the step's encoding, and the step's attention mask if it had one
-        push = wire.Push(first.session, first.step, step.position, output.hidden, step.mask, rest or None)
+        push = messages.Push(first.session, first.step, step.position, output.hidden, step.mask, rest or None)
         return await self.pusher.push(first.peer, push.to_message())
 
     # ---- push protocol: steps from the previous peer of a client's route ----
@@ -263,7 +263,7 @@ class Servicer:
                             msg.type)
                 return
             try:
-                push = wire.Push.from_message(msg)
+                push = messages.Push.from_message(msg)
             except BadRequest as e:
                 self._count(e)
                 self.pushes["rejected"] += 1
@@ -278,7 +278,7 @@ class Servicer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _pushable(self, push: wire.Push) -> Session | None:
+    def _pushable(self, push: messages.Push) -> Session | None:
         """The session a pushed step may run in, or None (counted) if it must be dropped: the session is not
         open here, the step is not the session's next one (an old id, an id far ahead, a position other than
         the end of what the session has run: a late duplicate or a forgery), or too many pushed steps wait."""
@@ -296,7 +296,7 @@ class Servicer:
             return None
         return session
 
-    async def _pushed(self, session: Session, msg: wire.Step, slots: asyncio.Semaphore) -> None:
+    async def _pushed(self, session: Session, msg: messages.Step, slots: asyncio.Semaphore) -> None:
         received = time.perf_counter()
         step = msg.step
         self.pushes["received"] += 1
@@ -310,18 +310,18 @@ class Servicer:
                 return
             except SwarmError as e:
                 self._count(e)
-                reply = wire.Error.of(e, step).to_message()
+                reply = messages.Error.of(e, step).to_message()
             except Exception as e:  # boundary: a bug in one pushed step is reported to its client
                 logger.exception("pushed step of session %s failed", session.id)
                 self._count(SwarmError())
-                reply = wire.Error.of(SwarmError(f"internal error: {type(e).__name__}"), step).to_message()
+                reply = messages.Error.of(SwarmError(f"internal error: {type(e).__name__}"), step).to_message()
         finally:
             slots.release()  # compute is done: a client slow to read holds no slot of the push stream
             session.pushes -= 1
         if await session.send(reply) and reply.type == wire.OUTPUT:
             self.metrics.step_replied(time.perf_counter() - received)
 
-    def _open(self, request: wire.Open) -> Session:
+    def _open(self, request: messages.Open) -> Session:
         span = self._check_target(request.model, request.start, request.end)
         if request.max_length > self.config.max_length:
             raise BadRequest(f"'max_length' must be an integer in [1, {self.config.max_length}], got "
@@ -335,7 +335,7 @@ class Servicer:
                      request.batch, request.max_length, "/".join(request.encodings))
         return session
 
-    async def _step(self, session: Session, step: wire.Step) -> wire.Output:
+    async def _step(self, session: Session, step: messages.Step) -> messages.Output:
         if step.position >= session.max_length:
             raise BadRequest(f"'position' must be an integer in [0, {session.max_length - 1}], got {step.position}")
         self._check_hidden(step.hidden, session.encodings, session.batch)
@@ -349,29 +349,29 @@ class Servicer:
         self.metrics.stepped(batch * tokens, compute_ms / 1e3)
         if self.capacity is not None and shared == 1 and batch == 1 and tokens == 1:
             self.capacity.observe(compute_ms, len(session.span))  # a batch-1 decode step: the announced speed
-        return wire.Output(out, compute_ms, step.step, step.position, length)
+        return messages.Output(out, compute_ms, step.step, step.position, length)
 
     # ---- stateless forward ----
 
     async def serve_forward(self, stream: Stream) -> None:
         async def handle(msg: wire.Message) -> wire.Message:
-            request = wire.Forward.from_message(msg)
+            request = messages.Forward.from_message(msg)
             span = self._check_target(request.model, request.start, request.end)
-            self._check_hidden(request.hidden, wire.ENCODINGS, self.config.max_batch)
+            self._check_hidden(request.hidden, messages.ENCODINGS, self.config.max_batch)
             batch, tokens = request.hidden.shape[:2]
             if tokens > self.config.max_length:
                 raise BadRequest(f"sequences of {tokens} tokens exceed the limit of {self.config.max_length}")
             out, compute_ms = await self.runtime.run(self.compute.forward, span, request,
                                                      timeout=self.config.step_timeout)
             self.metrics.forwarded(batch * tokens, compute_ms / 1e3)
-            return wire.Output(out, compute_ms).to_message()
+            return messages.Output(out, compute_ms).to_message()
 
         await self._one_request(stream, handle)
 
     # ---- info ----
 
-    def info(self) -> wire.Info:
-        return wire.Info(
+    def info(self) -> messages.Info:
+        return messages.Info(
             self.served.peer, self.served.model_id, self.served.span.start, self.served.span.end, self.served.version,
             self.precision.dtype, self.precision.quant, self.precision.device_kind, self.hidden_size,
             len(self.sessions.sessions), self.config.max_sessions, self.sessions.cache_tokens,
@@ -383,7 +383,7 @@ class Servicer:
 
     async def serve_info(self, stream: Stream) -> None:
         async def handle(msg: wire.Message) -> wire.Message:
-            wire.InfoRequest.from_message(msg)
+            messages.InfoRequest.from_message(msg)
             return self.info().to_message()
 
         await self._one_request(stream, handle)
@@ -395,6 +395,6 @@ class Servicer:
             return
         except ProtocolError as e:
             self._count(e)
-            await self._send(stream, wire.Error.of(e).to_message())
+            await self._send(stream, messages.Error.of(e).to_message())
             return
         await self._answer(stream, handle, msg)

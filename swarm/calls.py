@@ -9,7 +9,7 @@ reply of the wrong type is a `ProtocolError`, never silently used.
 from __future__ import annotations
 
 import asyncio
-from swarm import wire
+from swarm import messages, wire
 from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout, error_from_code
 from swarm.transport import Node, Stream
 
@@ -19,7 +19,7 @@ MAX_REPLY_BYTES = 1 << 30  # tensor bytes of a session or forward reply (hidden 
 def raise_if_error(msg: wire.Message) -> None:
     if msg.type == wire.ERROR:
         try:
-            err = wire.Error.from_message(msg)
+            err = messages.Error.from_message(msg)
         except BadRequest as e:
             raise ProtocolError(f"malformed error reply: {e}") from None
         raise error_from_code(err.code, err.message)
@@ -44,17 +44,17 @@ async def exchange(stream: Stream, msg: wire.Message, timeout: float,
     return reply
 
 
-async def info(node: Node, peer: str, timeout: float = 10.0) -> wire.Info:
+async def info(node: Node, peer: str, timeout: float = 10.0) -> messages.Info:
     """The peer's `info` reply: what it serves, how it computes and how loaded it is (docs/protocol.md)."""
     stream = await node.open(peer, wire.INFO_PROTOCOL)
     try:
         # an info reply carries no tensor: an untrusted peer must not make us buffer any (the monitor pings all)
-        reply = await exchange(stream, wire.InfoRequest().to_message(), timeout, max_tensor_bytes=0)
+        reply = await exchange(stream, messages.InfoRequest().to_message(), timeout, max_tensor_bytes=0)
     finally:
         await stream.aclose()
     if reply.type != wire.INFO:
         raise ProtocolError(f"peer {peer} answered 'info' with {reply.type!r}")
     try:
-        return wire.Info.from_message(reply)
+        return messages.Info.from_message(reply)
     except BadRequest as e:
         raise ProtocolError(f"peer {peer} sent a malformed info reply: {e}") from None

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from client import peer_client
-from swarm import wire
+from swarm import messages, wire
 from swarm.span import Span
 from swarm_harness import MODEL_ID
 
@@ -89,7 +89,7 @@ def requests(draw):
     except ValueError:
         data = header({"type": mtype})
     if kind == "steps" and protocol == wire.SESSION_PROTOCOL:  # a good open first, then the odd message
-        opening = wire.Open(MODEL_ID, 2, 4, 16, 1, ("float32", "int8")).to_message()
+        opening = messages.Open(MODEL_ID, 2, 4, 16, 1, ("float32", "int8")).to_message()
         return protocol, b"".join(bytes(f) for f in wire.encode(opening)) + data, 2
     return protocol, data, 1
 
@@ -144,7 +144,7 @@ def test_fixed_bad_steps(target, client, loop, honest_session, case):
         if case == "unknown session":
             stream = await client.open(peer, wire.SESSION_PROTOCOL)
             try:
-                step = wire.Step(0, 0, wire.Hidden.encode(torch.zeros(1, 1, 64), "float32"))
+                step = messages.Step(0, 0, messages.Hidden.encode(torch.zeros(1, 1, 64), "float32"))
                 await wire.write_message(stream.writer, step.to_message())
                 reply = await wire.read_message(stream.reader, 1 << 20)
             finally:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from client import peer_client
 from client.model import DistributedModelForCausalLM
-from swarm import wire
+from swarm import messages, wire
 from swarm.errors import BadRequest
 from swarm.identity import Identity
 from swarm.span import Span
@@ -99,7 +99,7 @@ def test_a_push_that_cannot_leave_is_reported_and_the_session_goes_on(probe, loo
         try:
             x = torch.randn(1, 1, 64)
             nowhere = [{"peer": Identity.generate().peer_id, "session": "s0-nothing", "step": 0}]
-            step = await session.send(x, 0, chain=[wire.ChainHop(**nowhere[0])])
+            step = await session.send(x, 0, chain=[messages.ChainHop(**nowhere[0])])
             out = await session.receive(step, tuple(x.shape), 10)
             assert session.pushed is False
             torch.testing.assert_close(out, await session.step(x, 0))  # same output, no harm done
@@ -110,7 +110,7 @@ def test_a_push_that_cannot_leave_is_reported_and_the_session_goes_on(probe, loo
                     step = session.reserve()
                     await wire.write_message(session.stream.writer, wire.Message(wire.STEP, {
                         "step": step, "position": 0, "encoding": "float32", "next": bad},
-                        wire.Hidden.encode(x, "float32").blobs))
+                        messages.Hidden.encode(x, "float32").blobs))
                     await session.receive(step, tuple(x.shape), 10)
             torch.testing.assert_close(await session.step(x, 0), out)
         finally:

@@ -27,7 +27,7 @@ from bootstrap.monitor import Monitor
 from swarm.errors import SwarmUnreachable
 from swarm.identity import Identity
 from swarm.records import Announcement
-from swarm.wire import Info
+from swarm.messages import Info
 from swarm_harness import LocalSwarm, wait_until
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from peer.metrics import PeerMetrics
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
-from swarm import wire
+from swarm import messages, wire
 from swarm.blocks import SpanBlocks, SpanCache
 from swarm.checkpoint import Checkpoint
 from swarm.errors import BadRequest, UnknownSession
@@ -128,8 +128,8 @@ def test_a_bad_item_fails_the_batch_before_any_cache_changes(tiny_checkpoint):
 # ---- the servicer's batch function ----
 
 
-def step_message(step: int, position: int, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> wire.Step:
-    return wire.Step(step, position, wire.Hidden.encode(hidden, "float32"), None if mask is None else wire.blob_of(mask))
+def step_message(step: int, position: int, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> messages.Step:
+    return messages.Step(step, position, messages.Hidden.encode(hidden, "float32"), None if mask is None else wire.blob_of(mask))
 
 
 @torch.inference_mode()
@@ -145,7 +145,7 @@ def test_servicer_batches_steps_and_fails_bad_ones_alone(tiny_checkpoint):
     with Runtime() as runtime:
         servicer = Servicer(config, Served("peer", "m", Span(0, 6), "v"), blocks, runtime,
                             SessionTable(config.cache_tokens, config.max_sessions), metrics)
-        opened = [servicer._open(wire.Open(**fields, batch=b)) for b in (1, 1, 2, 1, 1, 1)]
+        opened = [servicer._open(messages.Open(**fields, batch=b)) for b in (1, 1, 2, 1, 1, 1)]
         refs = [reference.new_cache(s.batch, MAX_LENGTH) for s in opened]
         prompts = [torch.randn(s.batch, n, 64, generator=g) for s, n in zip(opened, (3, 7, 12, 5, 4, 6))]
         for s, ref, prompt in zip(opened, refs, prompts):
@@ -196,7 +196,7 @@ def test_a_session_closed_during_a_shared_forward_fails_no_other_session(tiny_ch
     path = tiny_checkpoint("llama")
     blocks = SpanBlocks(path, Span(0, 6))
     config = PeerConfig(model=Path(path))
-    fields = wire.Open("m", 0, 6, 128, 1)
+    fields = messages.Open("m", 0, 6, 128, 1)
     g = torch.Generator().manual_seed(1)
     with Runtime() as runtime:
         servicer = Servicer(config, Served("peer", "m", Span(0, 6), "v"), blocks, runtime,

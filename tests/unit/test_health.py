@@ -14,7 +14,8 @@ from bootstrap.monitor import describe_blocks
 from swarm.errors import BadRequest
 from swarm.identity import Identity
 from swarm.records import Announcement
-from swarm.wire import Info, Message
+from swarm.messages import Info
+from swarm.wire import Message
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from bootstrap.monitor import JSON_PATH, Monitor
 from swarm import calls, discovery, records
 from swarm.errors import SwarmUnreachable
 from swarm.identity import Identity
-from swarm.wire import Info
+from swarm.messages import Info
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
-from swarm import wire
+from swarm import messages
 from swarm.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -23,10 +23,10 @@ def scrape(metrics: PeerMetrics) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def fake_info(**changes) -> wire.Info:
+def fake_info(**changes) -> messages.Info:
     info = {"peer": "12D3KooWpeer", "model": "tiny", "start": 2, "end": 5, "version": "0.1.0", "dtype": "float32",
             "sessions": 0, "max_sessions": 8, "cache_tokens": 1000, "cache_tokens_left": 1000, "queued": 0}
-    return wire.Info(**{**info, **changes})
+    return messages.Info(**{**info, **changes})
 
 
 def test_state_is_read_at_each_scrape():

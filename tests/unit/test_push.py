@@ -8,7 +8,7 @@ import pytest
 from peer.servicer import check_chain
 from swarm.errors import BadRequest
 from swarm.identity import Identity
-from swarm.wire import ChainHop
+from swarm.messages import ChainHop
 
 
 def parse_chain(value, own_id: str):

@@ -13,7 +13,7 @@ from peer import balancer
 from swarm.errors import ConnectionLost, StepTimeout
 from swarm.records import Announcement
 from swarm.span import Span
-from swarm.wire import Info
+from swarm.messages import Info
 
 pytestmark = pytest.mark.unit
 

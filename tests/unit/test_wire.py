@@ -15,8 +15,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from swarm.errors import BadRequest, ProtocolError
+from swarm.messages import Error
 from swarm.wire import (DATA, ERROR, HEADER, MAX_DIMS, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, STEP, Blob,
-                        Message, blob_of, encode, error_message, read_message, tensor_of)
+                        Message, blob_of, encode, read_message, tensor_of)
 
 pytestmark = pytest.mark.unit
 
@@ -106,9 +107,9 @@ def test_encode_refuses_what_cannot_travel():
 
 
 def test_error_message_carries_code_and_truncated_text():
-    msg = error_message(BadRequest("x" * 5000), session="s1")
+    msg = Error.of(BadRequest("x" * 5000), 3).to_message()
     assert msg.type == ERROR
-    assert msg.fields["code"] == "bad_request" and msg.fields["session"] == "s1"
+    assert msg.fields["code"] == "bad_request" and msg.fields["step"] == 3
     assert len(msg.fields["message"]) == 2000
     assert read(wire_bytes(msg)).fields == msg.fields
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from swarm import wire
+from swarm import messages, wire
 from swarm.errors import BadRequest, NotServing
 
 pytestmark = pytest.mark.unit
@@ -28,25 +28,25 @@ def over_the_wire(msg: wire.Message) -> wire.Message:
     return asyncio.run(run())
 
 
-def hidden(encoding: str = "float32", shape=(2, 3, 64), seed: int = 0) -> wire.Hidden:
-    return wire.Hidden.encode(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), encoding)
+def hidden(encoding: str = "float32", shape=(2, 3, 64), seed: int = 0) -> messages.Hidden:
+    return messages.Hidden.encode(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), encoding)
 
 
 MESSAGES = [
-    wire.Open("tiny", 2, 5, 128, 2, ("bfloat16", "int8", "float32")),
-    wire.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda"),
-    wire.Step(7, 3, hidden("float16"), wire.blob_of(torch.ones(2, 6, dtype=torch.bool)),
-              (wire.ChainHop(PEER, "s2-cd", 4),)),
-    wire.Step(0, 0, hidden("int8")),
-    wire.Push("s2-cd", 4, 3, hidden("bfloat16"), None, None),
-    wire.Output(hidden("int8"), 1.25, 7, 3, 6, True, None),
-    wire.Output(hidden("float32"), 0.5),
-    wire.Close(),
-    wire.Forward("tiny", 0, 6, hidden(), wire.blob_of(torch.ones(2, 3, dtype=torch.int64))),
-    wire.InfoRequest(),
-    wire.Info(PEER, "tiny", 0, 6, "0.1.0", "bfloat16", "none", "cpu", 64, 1, 8, 1000, 900, 128, 8, 0, 12.5, 300.0,
+    messages.Open("tiny", 2, 5, 128, 2, ("bfloat16", "int8", "float32")),
+    messages.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda"),
+    messages.Step(7, 3, hidden("float16"), wire.blob_of(torch.ones(2, 6, dtype=torch.bool)),
+              (messages.ChainHop(PEER, "s2-cd", 4),)),
+    messages.Step(0, 0, hidden("int8")),
+    messages.Push("s2-cd", 4, 3, hidden("bfloat16"), None, None),
+    messages.Output(hidden("int8"), 1.25, 7, 3, 6, True, None),
+    messages.Output(hidden("float32"), 0.5),
+    messages.Close(),
+    messages.Forward("tiny", 0, 6, hidden(), wire.blob_of(torch.ones(2, 3, dtype=torch.int64))),
+    messages.InfoRequest(),
+    messages.Info(PEER, "tiny", 0, 6, "0.1.0", "bfloat16", "none", "cpu", 64, 1, 8, 1000, 900, 128, 8, 0, 12.5, 300.0,
               0.4, 0, 1, {"bad_request": 2}, {"sent": 10, "received": 20}, {"received": 1}),
-    wire.Error.of(NotServing("no"), 3),
+    messages.Error.of(NotServing("no"), 3),
 ]
 
 
@@ -68,29 +68,29 @@ def test_every_message_round_trips(msg):
 
 
 @pytest.mark.parametrize("cls, fields, tensors, match", [
-    (wire.Open, {"model": "m", "start": 3, "end": 3, "max_length": 8, "batch": 1, "encodings": ["float32"]}, (),
+    (messages.Open, {"model": "m", "start": 3, "end": 3, "max_length": 8, "batch": 1, "encodings": ["float32"]}, (),
      "'end'"),
-    (wire.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1}, (), "encodings"),
-    (wire.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1, "encodings": ["int4"]}, (),
+    (messages.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1}, (), "encodings"),
+    (messages.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1, "encodings": ["int4"]}, (),
      "encoding"),
-    (wire.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1,
+    (messages.Open, {"model": "m", "start": 0, "end": 3, "max_length": 8, "batch": 1,
                  "encodings": ["int8", "int8"]}, (), "distinct"),
-    (wire.Step, {"step": 1, "position": 0, "encoding": "float32"}, (), "need 1 tensors"),
-    (wire.Step, {"step": 1, "position": 0, "encoding": "float16"}, hidden("float32").blobs, "said to be float16"),
-    (wire.Step, {"step": 1, "position": 0, "encoding": "int8"}, hidden("float32").blobs, "int8"),
-    (wire.Step, {"step": 1, "position": 0, "encoding": "int8"},
+    (messages.Step, {"step": 1, "position": 0, "encoding": "float32"}, (), "need 1 tensors"),
+    (messages.Step, {"step": 1, "position": 0, "encoding": "float16"}, hidden("float32").blobs, "said to be float16"),
+    (messages.Step, {"step": 1, "position": 0, "encoding": "int8"}, hidden("float32").blobs, "int8"),
+    (messages.Step, {"step": 1, "position": 0, "encoding": "int8"},
      (hidden("int8").blobs[0], wire.blob_of(torch.zeros(2, 3, 3, dtype=torch.int8))), "exponents"),
-    (wire.Step, {"step": -1, "position": 0, "encoding": "float32"}, hidden().blobs, "'step'"),
-    (wire.Step, {"step": 1, "position": 0, "encoding": "float32", "next": [{"peer": "0OIl", "session": "s",
+    (messages.Step, {"step": -1, "position": 0, "encoding": "float32"}, hidden().blobs, "'step'"),
+    (messages.Step, {"step": 1, "position": 0, "encoding": "float32", "next": [{"peer": "0OIl", "session": "s",
                                                                            "step": 1}]},
      hidden().blobs, "invalid peer id"),
-    (wire.Step, {"step": 1, "position": 0, "encoding": "float32"},
+    (messages.Step, {"step": 1, "position": 0, "encoding": "float32"},
      hidden().blobs + (wire.blob_of(torch.ones(2, 3)),), "attention mask"),
-    (wire.Output, {"encoding": "float32", "pushed": "yes"}, hidden().blobs, "pushed"),
-    (wire.Output, {"encoding": "float32", "compute_ms": float("inf")}, hidden().blobs, "compute_ms"),
-    (wire.Info, {"peer": PEER, "model": "m", "start": 0, "end": 2, "sessions": "many"}, (), "sessions"),
-    (wire.Info, {"peer": PEER, "model": "m", "start": False, "end": 2}, (), "'start'"),
-    (wire.Close, {}, (), None),
+    (messages.Output, {"encoding": "float32", "pushed": "yes"}, hidden().blobs, "pushed"),
+    (messages.Output, {"encoding": "float32", "compute_ms": float("inf")}, hidden().blobs, "compute_ms"),
+    (messages.Info, {"peer": PEER, "model": "m", "start": 0, "end": 2, "sessions": "many"}, (), "sessions"),
+    (messages.Info, {"peer": PEER, "model": "m", "start": False, "end": 2}, (), "'start'"),
+    (messages.Close, {}, (), None),
 ])
 def test_malformed_messages_are_bad_requests(cls, fields, tensors, match):
     if match is None:  # a message of another type
@@ -104,7 +104,7 @@ def test_malformed_messages_are_bad_requests(cls, fields, tensors, match):
 def test_an_int8_exponent_that_would_overflow_is_refused_on_decode():
     values = wire.blob_of(torch.full((1, 1, 64), 127, dtype=torch.int8))
     exps = wire.blob_of(torch.full((1, 1, 2), 127, dtype=torch.int8))
-    step = wire.Step.from_message(wire.Message(wire.STEP, {"step": 0, "position": 0, "encoding": "int8"},
+    step = messages.Step.from_message(wire.Message(wire.STEP, {"step": 0, "position": 0, "encoding": "int8"},
                                                (values, exps)))
     with pytest.raises(BadRequest, match="overflow"):
         step.hidden.decode()
@@ -116,24 +116,24 @@ def test_an_int8_exponent_that_would_overflow_is_refused_on_decode():
     ("float32", 1.0, 0.0), ("float16", 0.5, 1e-3), ("bfloat16", 0.5, 8e-3), ("int8", 0.26, 0.02)])
 def test_encodings_cost_and_error(encoding, ratio, error):
     x = torch.randn(2, 16, 576, generator=torch.Generator().manual_seed(1)) * 4
-    sent = wire.Hidden.encode(x, encoding)
+    sent = messages.Hidden.encode(x, encoding)
     assert sent.nbytes <= ratio * x.numel() * 4 + 1
-    assert sent.nbytes == pytest.approx(x.shape[0] * x.shape[1] * wire.encoding_bytes(encoding, 576))
+    assert sent.nbytes == pytest.approx(x.shape[0] * x.shape[1] * messages.encoding_bytes(encoding, 576))
     back = sent.decode().float()
     assert (back - x).norm() / x.norm() <= error
 
 
 @settings(max_examples=60, deadline=None)
-@given(encoding=st.sampled_from(wire.ENCODINGS), hidden_size=st.sampled_from([1, 6, 48, 64, 100, 576]),
+@given(encoding=st.sampled_from(messages.ENCODINGS), hidden_size=st.sampled_from([1, 6, 48, 64, 100, 576]),
        scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]), seed=st.integers(0, 2**16))
 def test_decode_of_encode_is_a_fixed_point(encoding, hidden_size, scale, seed):
     """What a receiver decoded, encoded again, is the same bytes: a replay of the kept history is exact."""
     x = torch.randn(1, 3, hidden_size, generator=torch.Generator().manual_seed(seed)) * scale
     x[0, 0, 0] = 0.0
-    first = wire.Hidden.encode(x, encoding)
-    again = wire.Hidden.encode(first.decode(), encoding)
+    first = messages.Hidden.encode(x, encoding)
+    again = messages.Hidden.encode(first.decode(), encoding)
     assert all(bytes(a.data) == bytes(b.data) for a, b in zip(first.blobs, again.blobs))
-    assert torch.equal(wire.round_trip(first.decode(), encoding), first.decode())
+    assert torch.equal(messages.round_trip(first.decode(), encoding), first.decode())
     assert torch.isfinite(first.decode().float()).all() or encoding == "float16"
 
 
@@ -141,7 +141,7 @@ def test_int8_keeps_zero_blocks_and_bounds_each_block_by_its_own_largest_value()
     x = torch.zeros(1, 1, 64)
     x[0, 0, 32:] = torch.linspace(-1000, 1000, 32)
     x[0, 0, 5] = 1e-3  # its block is otherwise zero: its scale is its own
-    back = wire.round_trip(x, "int8")
+    back = messages.round_trip(x, "int8")
     assert back[0, 0, 6:32].abs().max() == 0
     assert abs(back[0, 0, 5] - 1e-3) <= 1e-3 / 64
     assert (back[0, 0, 32:] - x[0, 0, 32:]).abs().max() <= 1024 / 127

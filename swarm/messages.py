@@ -1,0 +1,494 @@
+"""What each message holds, and how hidden states travel in it.
+
+Every message type of `swarm.wire` has a frozen dataclass here: `to_message()` builds the wire message,
+`from_message()` checks a received one and raises `BadRequest` (a typed error the sender gets back) for
+anything malformed; framing errors are `ProtocolError`s from `wire.read_message` before that. Hidden
+states travel in one of `ENCODINGS` (`Hidden`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.errors import BadRequest, SwarmError
+from swarm.wire import (Blob, Message, blob_of, tensor_of, DTYPE_SIZES, MAX_CHAIN, OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH)
+
+
+# ---- hidden states as they travel: one encoding per tensor set ----
+#
+# float32/float16/bfloat16: the values cast to that dtype (one tensor). int8: blockwise 8-bit, two tensors:
+# int8 values [batch, tokens, hidden] and, per block of `int8_block(hidden)` values along the hidden
+# dimension, an int8 exponent e [batch, tokens, hidden / block]; a value is q * 2**e. The scale is the
+# power of two at or above the block's largest magnitude / 127, so decoding is exact arithmetic and
+# encoding what was decoded gives the same bytes again (`encode(decode(x)) == x`): a client that keeps
+# what it sent, decoded, replays exactly the bytes a peer was first given.
+
+FLOAT_ENCODINGS = ("float32", "float16", "bfloat16")
+ENCODINGS = FLOAT_ENCODINGS + ("int8",)
+INT8_BLOCK = 32  # values sharing one exponent (fewer when the hidden size is not a multiple of it)
+MAX_EXPONENT = 121  # 127 * 2**121 < float32's largest: a decoded value is always finite
+
+
+def int8_block(hidden: int) -> int:
+    return next(b for b in (INT8_BLOCK, 16, 8, 4, 2, 1) if hidden % b == 0)
+
+
+def encoding_bytes(encoding: str, hidden: int) -> float:
+    """Bytes per hidden vector of `hidden` values in `encoding`."""
+    if encoding == "int8":
+        return hidden + hidden / int8_block(hidden)
+    return hidden * DTYPE_SIZES[encoding]
+
+
+def _check_encoding(encoding: Any) -> str:
+    if encoding not in ENCODINGS:
+        raise BadRequest(f"encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
+    return encoding
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """Hidden states [batch, tokens, hidden] in one encoding, as they travel."""
+
+    encoding: str
+    blobs: tuple[Blob, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.blobs[0].shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blobs)
+
+    @classmethod
+    def encode(cls, tensor, encoding: str) -> Hidden:
+        import torch
+
+        _check_encoding(encoding)
+        if tensor.ndim != 3:
+            raise ValueError(f"hidden states travel as [batch, tokens, hidden], not {list(tensor.shape)}")
+        if encoding in FLOAT_ENCODINGS:
+            return cls(encoding, (blob_of(tensor.to(getattr(torch, encoding))),))
+        x = tensor.detach().cpu().float()
+        batch, tokens, hidden = x.shape
+        block = int8_block(hidden)
+        x = x.reshape(batch, tokens, hidden // block, block)
+        mantissa, exponent = torch.frexp(x.abs().amax(-1) / 127)  # v = m * 2**e, m in [0.5, 1)
+        exponent = (exponent - (mantissa == 0.5).int()).clamp(-128, MAX_EXPONENT)  # ceil(log2 v); v = 0: 2**0
+        q = torch.round(torch.ldexp(x, -exponent[..., None].float())).clamp(-127, 127)
+        return cls("int8", (blob_of(q.to(torch.int8).reshape(batch, tokens, hidden)),
+                            blob_of(exponent.to(torch.int8))))
+
+    def decode(self):
+        """The values (float32 for int8): exactly what the sender's `round_trip` gave."""
+        import torch
+
+        if self.encoding in FLOAT_ENCODINGS:
+            return tensor_of(self.blobs[0])
+        q, exponent = tensor_of(self.blobs[0]), tensor_of(self.blobs[1])
+        if exponent.numel() and int(exponent.max()) > MAX_EXPONENT:
+            raise BadRequest(f"int8 exponents above {MAX_EXPONENT} would overflow")
+        batch, tokens, hidden = q.shape
+        blocks = exponent.shape[2]
+        x = torch.ldexp(q.float().reshape(batch, tokens, blocks, hidden // blocks), exponent[..., None].float())
+        return x.reshape(batch, tokens, hidden)
+
+    @classmethod
+    def take(cls, encoding: Any, blobs: tuple[Blob, ...]) -> tuple[Hidden, tuple[Blob, ...]]:
+        """The hidden states at the front of a message's tensors, checked; and the tensors after them."""
+        encoding = _check_encoding(encoding)
+        count = 2 if encoding == "int8" else 1
+        if len(blobs) < count:
+            raise BadRequest(f"{encoding} hidden states need {count} tensors, got {len(blobs)}")
+        own = blobs[:count]
+        if len(own[0].shape) != 3:
+            raise BadRequest(f"hidden states must be [batch, tokens, hidden], got {list(own[0].shape)}")
+        if encoding in FLOAT_ENCODINGS:
+            if own[0].dtype != encoding:
+                raise BadRequest(f"hidden states said to be {encoding} are {own[0].dtype}")
+        else:
+            (values, exps), shape = own, own[0].shape
+            if values.dtype != "int8" or exps.dtype != "int8" or len(exps.shape) != 3 \
+                    or exps.shape[:2] != shape[:2] or exps.shape[2] != shape[2] // int8_block(shape[2]):
+                raise BadRequest(f"int8 hidden states need int8 values {list(shape)} and int8 exponents "
+                                 f"{list(shape[:2]) + [shape[2] // max(1, int8_block(shape[2]))]}, got "
+                                 f"{values.dtype}{list(values.shape)} and {exps.dtype}{list(exps.shape)}")
+        return cls(encoding, own), blobs[count:]
+
+
+def round_trip(tensor, encoding: str):
+    """What a receiver decodes of `tensor` sent in `encoding`."""
+    return Hidden.encode(tensor, encoding).decode()
+
+
+# ---- typed messages: what each message holds, built and checked in one place ----
+
+MAX_ID_CHARS = 128
+BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
+
+
+def _int(fields: dict[str, Any], name: str, lo: int, hi: int, default: Any = ...) -> Any:
+    value = fields.get(name, default)
+    if value is default and default is not ...:
+        return value
+    if type(value) is not int or not lo <= value <= hi:
+        raise BadRequest(f"'{name}' must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _num(fields: dict[str, Any], name: str, default: Any = ...) -> Any:
+    value = fields.get(name, default)
+    if value is default and default is not ...:
+        return value
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise BadRequest(f"'{name}' must be a finite non-negative number, got {value!r}")
+    return float(value)
+
+
+def _str(fields: dict[str, Any], name: str, limit: int = 256, default: Any = ...) -> Any:
+    value = fields.get(name, default)
+    if value is default and default is not ...:
+        return value
+    if not isinstance(value, str) or len(value) > limit:
+        raise BadRequest(f"'{name}' must be a string of at most {limit} characters, got {str(value)[:80]!r}")
+    return value
+
+
+def _encodings(fields: dict[str, Any], name: str) -> tuple[str, ...]:
+    value = fields.get(name)
+    if not isinstance(value, list) or not 1 <= len(value) <= len(ENCODINGS) or len(set(map(str, value))) != len(value):
+        raise BadRequest(f"'{name}' must list 1-{len(ENCODINGS)} distinct encodings of {ENCODINGS}, got {value!r}")
+    return tuple(_check_encoding(v) for v in value)
+
+
+def _mask(blobs: tuple[Blob, ...]) -> Blob | None:
+    if len(blobs) > 1:
+        raise BadRequest(f"expected hidden states and an optional attention mask, got {len(blobs)} extra tensors")
+    if not blobs:
+        return None
+    if blobs[0].dtype not in ("bool", "int64") or len(blobs[0].shape) != 2:
+        raise BadRequest(f"attention mask must be bool or int64 [batch, length], got {blobs[0].dtype}"
+                         f"{list(blobs[0].shape)}")
+    return blobs[0]
+
+
+def _check_type(msg: Message, cls) -> None:
+    if msg.type != cls.TYPE:
+        raise BadRequest(f"expected a {cls.TYPE!r} message, got {msg.type!r}")
+
+
+@dataclass(frozen=True)
+class ChainHop:
+    """A later hop of a chained step: the peer, the client's session there, the step id to use."""
+
+    peer: str
+    session: str
+    step: int
+
+    @classmethod
+    def parse_all(cls, value: Any) -> tuple[ChainHop, ...] | None:
+        if value is None:
+            return None
+        if not isinstance(value, list) or not 1 <= len(value) <= MAX_CHAIN:
+            raise BadRequest(f"'next' must be a list of 1-{MAX_CHAIN} hops")
+        hops = []
+        for hop in value:
+            if not isinstance(hop, dict) or set(hop) != {"peer", "session", "step"}:
+                raise BadRequest("each hop of 'next' must be an object with exactly 'peer', 'session' and 'step'")
+            peer, session, step = hop["peer"], hop["session"], hop["step"]
+            if not (isinstance(peer, str) and 0 < len(peer) <= MAX_ID_CHARS and set(peer) <= BASE58):
+                raise BadRequest(f"'next' names an invalid peer id {str(peer)[:80]!r}")
+            if not (isinstance(session, str) and 0 < len(session) <= MAX_ID_CHARS):
+                raise BadRequest("'next' names an invalid session id")
+            if type(step) is not int or not 0 <= step <= 2**62:
+                raise BadRequest(f"'next' step ids must be integers in [0, 2**62], got {step!r}")
+            hops.append(cls(peer, session, step))
+        return tuple(hops)
+
+
+def _chain_fields(chain: tuple[ChainHop, ...] | None) -> dict[str, Any]:
+    return {} if not chain else {"next": [{"peer": h.peer, "session": h.session, "step": h.step} for h in chain]}
+
+
+@dataclass(frozen=True)
+class Open:
+    """Client -> peer: open a session on blocks [start, end); its steps may come in any of `encodings`."""
+
+    TYPE = OPEN
+    model: str
+    start: int
+    end: int
+    max_length: int
+    batch: int
+    encodings: tuple[str, ...] = ("float32",)
+
+    def to_message(self) -> Message:
+        return Message(OPEN, {"model": self.model, "start": self.start, "end": self.end,
+                              "max_length": self.max_length, "batch": self.batch, "encodings": list(self.encodings)})
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Open:
+        _check_type(msg, cls)
+        f = msg.fields
+        start = _int(f, "start", 0, 2**20)
+        return cls(_str(f, "model", 64), start, _int(f, "end", start + 1, 2**20), _int(f, "max_length", 1, 2**31),
+                   _int(f, "batch", 1, 2**20), _encodings(f, "encodings"))
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Peer -> client: the session is open; how the peer computes (dtype, weight format, device kind)."""
+
+    TYPE = OPENED
+    session: str
+    start: int
+    end: int
+    batch: int
+    max_length: int
+    encodings: tuple[str, ...]
+    cache_tokens_left: int
+    dtype: str = "float32"
+    quant: str = "none"
+    device: str = "cpu"
+
+    def to_message(self) -> Message:
+        return Message(OPENED, {"session": self.session, "start": self.start, "end": self.end, "batch": self.batch,
+                                "max_length": self.max_length, "encodings": list(self.encodings),
+                                "cache_tokens_left": self.cache_tokens_left, "dtype": self.dtype,
+                                "quant": self.quant, "device": self.device})
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Opened:
+        _check_type(msg, cls)
+        f = msg.fields
+        start = _int(f, "start", 0, 2**20)
+        return cls(_str(f, "session", MAX_ID_CHARS), start, _int(f, "end", start + 1, 2**20), _int(f, "batch", 1, 2**20),
+                   _int(f, "max_length", 1, 2**31), _encodings(f, "encodings"),
+                   _int(f, "cache_tokens_left", 0, 2**62), _str(f, "dtype", 16, "float32"),
+                   _str(f, "quant", 16, "none"), _str(f, "device", 16, "cpu"))
+
+
+@dataclass(frozen=True)
+class Step:
+    """Client -> peer (session protocol): run `hidden` at `position`; with `next`, push the output on."""
+
+    TYPE = STEP
+    step: int
+    position: int
+    hidden: Hidden
+    mask: Blob | None = None
+    next: tuple[ChainHop, ...] | None = None
+
+    def to_message(self) -> Message:
+        return Message(STEP, {"step": self.step, "position": self.position, "encoding": self.hidden.encoding,
+                              **_chain_fields(self.next)}, self.hidden.blobs + ((self.mask,) if self.mask else ()))
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Step:
+        _check_type(msg, cls)
+        f = msg.fields
+        hidden, rest = Hidden.take(f.get("encoding"), msg.tensors)
+        return cls(_int(f, "step", 0, 2**62), _int(f, "position", 0, 2**31), hidden, _mask(rest),
+                   ChainHop.parse_all(f.get("next")))
+
+
+@dataclass(frozen=True)
+class Push:
+    """Peer -> next peer of a client's route (push protocol, no reply): a chained step's input."""
+
+    TYPE = PUSH
+    session: str
+    step: int
+    position: int
+    hidden: Hidden
+    mask: Blob | None = None
+    next: tuple[ChainHop, ...] | None = None
+
+    def to_message(self) -> Message:
+        step = self.as_step().to_message()  # a step's fields and tensors, and the session it goes to
+        return Message(PUSH, {"session": self.session, **step.fields}, step.tensors)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Push:
+        _check_type(msg, cls)
+        step = Step.from_message(Message(STEP, msg.fields, msg.tensors))
+        return cls(_str(msg.fields, "session", MAX_ID_CHARS), step.step, step.position, step.hidden, step.mask,
+                   step.next)
+
+    def as_step(self) -> Step:
+        return Step(self.step, self.position, self.hidden, self.mask, self.next)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Peer -> client: a step's or a forward's output, in the encoding of its input."""
+
+    TYPE = OUTPUT
+    hidden: Hidden
+    compute_ms: float = 0.0
+    step: int | None = None  # session steps only, as are position and length (the cache's after the step)
+    position: int | None = None
+    length: int | None = None
+    pushed: bool | None = None  # chained steps only: whether the output left for the next peer
+    push_error: str | None = None
+
+    def to_message(self) -> Message:
+        fields = {"encoding": self.hidden.encoding, "compute_ms": round(self.compute_ms, 3)}
+        for name in ("step", "position", "length", "pushed", "push_error"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return Message(OUTPUT, fields, self.hidden.blobs)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Output:
+        _check_type(msg, cls)
+        f = msg.fields
+        hidden, rest = Hidden.take(f.get("encoding"), msg.tensors)
+        if rest:
+            raise BadRequest(f"an output carries only hidden states, got {len(rest)} more tensors")
+        pushed = f.get("pushed")
+        if pushed is not None and type(pushed) is not bool:
+            raise BadRequest(f"'pushed' must be true or false, got {pushed!r}")
+        return cls(hidden, _num(f, "compute_ms", 0.0), _int(f, "step", 0, 2**62, None),
+                   _int(f, "position", 0, 2**31, None), _int(f, "length", 0, 2**31, None), pushed,
+                   _str(f, "push_error", 256, None))
+
+
+@dataclass(frozen=True)
+class Close:
+    """Client -> peer: the session ends (the stream closing does the same)."""
+
+    TYPE = CLOSE
+
+    def to_message(self) -> Message:
+        return Message(CLOSE)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Close:
+        _check_type(msg, cls)
+        return cls()
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Client -> peer (forward protocol): one stateless forward of whole sequences through [start, end)."""
+
+    TYPE = FORWARD
+    model: str
+    start: int
+    end: int
+    hidden: Hidden
+    mask: Blob | None = None
+
+    def to_message(self) -> Message:
+        return Message(FORWARD, {"model": self.model, "start": self.start, "end": self.end,
+                                 "encoding": self.hidden.encoding},
+                       self.hidden.blobs + ((self.mask,) if self.mask else ()))
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Forward:
+        _check_type(msg, cls)
+        f = msg.fields
+        start = _int(f, "start", 0, 2**20)
+        hidden, rest = Hidden.take(f.get("encoding"), msg.tensors)
+        return cls(_str(f, "model", 64), start, _int(f, "end", start + 1, 2**20), hidden, _mask(rest))
+
+
+@dataclass(frozen=True)
+class InfoRequest:
+    """Client -> peer (info protocol): what do you serve, and how loaded are you?"""
+
+    TYPE = INFO
+
+    def to_message(self) -> Message:
+        return Message(INFO)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> InfoRequest:
+        _check_type(msg, cls)
+        return cls()
+
+
+def _counts(fields: dict[str, Any], name: str) -> dict[str, float]:
+    value = fields.get(name, {})
+    if not isinstance(value, dict) or len(value) > 64 or not all(
+            isinstance(k, str) and len(k) <= 64 and type(v) in (int, float) for k, v in value.items()):
+        raise BadRequest(f"'{name}' must map at most 64 names to numbers")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class Info:
+    """Peer -> client (info protocol): what the peer serves, how it computes, and how loaded it is."""
+
+    TYPE = INFO
+    peer: str
+    model: str
+    start: int
+    end: int
+    version: str = ""
+    dtype: str = "float32"
+    quant: str = "none"
+    device: str = "cpu"
+    hidden_size: int = 0
+    sessions: int = 0
+    max_sessions: int = 0
+    cache_tokens: int = 0
+    cache_tokens_left: int = 0
+    max_length: int = 0
+    max_batch: int = 0
+    queued: int = 0
+    throughput: float = 0.0
+    prefill_tps: float = 0.0
+    block_ms: float | None = None
+    draining: int = 0
+    moves: int = 0
+    errors: dict = field(default_factory=dict)
+    wire_bytes: dict = field(default_factory=dict)
+    pushes: dict = field(default_factory=dict)
+
+    def to_message(self) -> Message:
+        from dataclasses import asdict
+
+        return Message(INFO, asdict(self))
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Info:
+        _check_type(msg, cls)
+        f = msg.fields
+        start = _int(f, "start", 0, 2**20)
+        ints = {n: _int(f, n, 0, 2**62, 0) for n in ("hidden_size", "sessions", "max_sessions", "cache_tokens",
+                                                     "cache_tokens_left", "max_length", "max_batch", "queued",
+                                                     "draining", "moves")}
+        return cls(_str(f, "peer", MAX_ID_CHARS), _str(f, "model", 64), start, _int(f, "end", start + 1, 2**20),
+                   _str(f, "version", 32, ""), _str(f, "dtype", 16, "float32"), _str(f, "quant", 16, "none"),
+                   _str(f, "device", 16, "cpu"), **ints, throughput=_num(f, "throughput", 0.0),
+                   prefill_tps=_num(f, "prefill_tps", 0.0), block_ms=_num(f, "block_ms", None),
+                   errors=_counts(f, "errors"), wire_bytes=_counts(f, "wire_bytes"), pushes=_counts(f, "pushes"))
+
+
+@dataclass(frozen=True)
+class Error:
+    """Peer -> client: a typed error (`SwarmError.code`), for step `step` when it answers one."""
+
+    TYPE = ERROR
+    code: str
+    message: str
+    step: int | None = None
+
+    @classmethod
+    def of(cls, err: SwarmError, step: Any = None) -> Error:
+        return cls(err.code, str(err)[:2000], step if type(step) is int else None)
+
+    def to_message(self) -> Message:
+        return Message(ERROR, {"code": self.code, "message": self.message,
+                               **({"step": self.step} if self.step is not None else {})})
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Error:
+        _check_type(msg, cls)
+        f = msg.fields
+        return cls(str(f.get("code"))[:64], str(f.get("message"))[:2000], _int(f, "step", 0, 2**62, None))
