@@ -8,6 +8,8 @@ from collections import deque
 
 import torch
 
+from swarm.errors import BadRequest
+
 
 class SlowDetector:
     """Flags a peer whose decode steps became slow: the median of its last `steps` decode steps is above
@@ -32,6 +34,20 @@ class SlowDetector:
         if ms <= limit:
             self.normal.append(ms)
         return len(self.recent) == self.steps and statistics.median(self.recent) > limit
+
+
+def step_mask(kept: torch.Tensor | None, given: torch.Tensor | None, batch: int, position: int,
+              tokens: int) -> torch.Tensor | None:
+    """The attention mask of a step of `tokens` at `position` over positions [0, position + tokens): the
+    caller's (`given`), else the session's (`kept`) extended with ones; None while everything is attended."""
+    total = position + tokens
+    if given is None:
+        if kept is None:
+            return None
+        return torch.cat([kept[:, :position], torch.ones(batch, tokens, dtype=kept.dtype)], dim=1)
+    if given.shape != (batch, total):
+        raise BadRequest(f"attention mask must be [{batch}, {total}], got {list(given.shape)}")
+    return None if bool(given.all()) and kept is None else given
 
 
 class Inputs:

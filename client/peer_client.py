@@ -14,7 +14,7 @@ import time
 import torch
 
 from swarm import messages, wire
-from swarm.calls import MAX_REPLY_BYTES, exchange, info, raise_if_error
+from swarm.calls import MAX_REPLY_BYTES, decode_reply, exchange, info, raise_if_error
 from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout
 from swarm.span import Span
 from swarm.transport import Node, Stream
@@ -22,15 +22,6 @@ from swarm.transport import Node, Stream
 __all__ = ["PeerSession", "forward", "info"]
 
 MAX_STALE_REPLIES = 8  # replies to earlier steps skipped while waiting for one step's output
-
-
-def _opened(reply: wire.Message, peer: str) -> messages.Opened:
-    if reply.type != wire.OPENED:
-        raise ProtocolError(f"peer {peer} answered 'open' with {reply.type!r}")
-    try:
-        return messages.Opened.from_message(reply)
-    except BadRequest as e:
-        raise ProtocolError(f"peer {peer} answered 'open' with a malformed reply: {e}") from None
 
 
 def _mask(mask: torch.Tensor | None) -> wire.Blob | None:
@@ -56,7 +47,7 @@ class PeerSession:
         try:
             reply = await exchange(stream, messages.Open(model, span.start, span.end, max_length, batch,
                                                      tuple(encodings)).to_message(), timeout)
-            opened = _opened(reply, peer)
+            opened = decode_reply(messages.Opened, reply, peer, "open")
         except BaseException:
             await stream.aclose()
             raise
@@ -129,10 +120,10 @@ class PeerSession:
 
 def _output(reply: wire.Message, peer: str, shape: tuple[int, ...]) -> tuple[messages.Output, torch.Tensor]:
     """The reply as an output of `shape`, and its hidden states decoded; a `ProtocolError` if malformed."""
+    output = decode_reply(messages.Output, reply, peer, "a step")
+    if tuple(output.hidden.shape) != tuple(shape):
+        raise ProtocolError(f"peer {peer} returned shape {list(output.hidden.shape)} for {list(shape)}")
     try:
-        output = messages.Output.from_message(reply)
-        if tuple(output.hidden.shape) != tuple(shape):
-            raise BadRequest(f"shape {list(output.hidden.shape)} for {list(shape)}")
         return output, output.hidden.decode()
     except BadRequest as e:
         raise ProtocolError(f"peer {peer} sent a malformed output: {e}") from None

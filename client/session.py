@@ -47,7 +47,7 @@ import torch
 
 from client import peer_client
 from client.encodings import REPLAY_ENCODING, Encodings
-from client.hops import Inputs, SlowDetector
+from client.hops import Inputs, SlowDetector, step_mask
 from client.peer_client import PeerSession
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient, retryable
@@ -167,7 +167,7 @@ class InferenceSession:
             raise BadRequest(f"position {position} is beyond the session's length {self.length}")
         if position + tokens > self.max_length:
             raise BadRequest(f"{position + tokens} tokens exceed the session's max_length {self.max_length}")
-        mask = self._mask_for(attention_mask, position, tokens)
+        mask = step_mask(self.mask, attention_mask, self.batch, position, tokens)
         if not self.links:
             # nothing is lost yet, so no wait here: the caller (an API answering 503) may do better than wait
             hops = await self.client.route(cache_tokens=self.batch * self.max_length, rng=self.rng)
@@ -203,17 +203,6 @@ class InferenceSession:
         self.mask = mask
         self.decode_steps += tokens == 1
         return x
-
-    def _mask_for(self, attention_mask: torch.Tensor | None, position: int, tokens: int) -> torch.Tensor | None:
-        total = position + tokens
-        if attention_mask is None:
-            if self.mask is None:
-                return None
-            ones = torch.ones(self.batch, tokens, dtype=self.mask.dtype)
-            return torch.cat([self.mask[:, :position], ones], dim=1)
-        if attention_mask.shape != (self.batch, total):
-            raise BadRequest(f"attention mask must be [{self.batch}, {total}], got {list(attention_mask.shape)}")
-        return None if bool(attention_mask.all()) and self.mask is None else attention_mask
 
     async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
                        failed: SwarmError | None = None, began: float | None = None,

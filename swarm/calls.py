@@ -9,6 +9,7 @@ reply of the wrong type is a `ProtocolError`, never silently used.
 from __future__ import annotations
 
 import asyncio
+
 from swarm import messages, wire
 from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout, error_from_code
 from swarm.transport import Node, Stream
@@ -16,12 +17,20 @@ from swarm.transport import Node, Stream
 MAX_REPLY_BYTES = 1 << 30  # tensor bytes of a session or forward reply (hidden states)
 
 
+def decode_reply(cls, reply: wire.Message, peer: object, what: str):
+    """`reply` as a `cls` message (`swarm.messages`); a reply of another type or a malformed one is a
+    `ProtocolError` on our side (the peer's fault), never a `BadRequest`."""
+    if reply.type != cls.TYPE:
+        raise ProtocolError(f"peer {peer} answered {what!r} with {reply.type!r}")
+    try:
+        return cls.from_message(reply)
+    except BadRequest as e:
+        raise ProtocolError(f"peer {peer} answered {what!r} with a malformed reply: {e}") from None
+
+
 def raise_if_error(msg: wire.Message) -> None:
     if msg.type == wire.ERROR:
-        try:
-            err = messages.Error.from_message(msg)
-        except BadRequest as e:
-            raise ProtocolError(f"malformed error reply: {e}") from None
+        err = decode_reply(messages.Error, msg, "?", "a request")
         raise error_from_code(err.code, err.message)
 
 
@@ -52,9 +61,4 @@ async def info(node: Node, peer: str, timeout: float = 10.0) -> messages.Info:
         reply = await exchange(stream, messages.InfoRequest().to_message(), timeout, max_tensor_bytes=0)
     finally:
         await stream.aclose()
-    if reply.type != wire.INFO:
-        raise ProtocolError(f"peer {peer} answered 'info' with {reply.type!r}")
-    try:
-        return messages.Info.from_message(reply)
-    except BadRequest as e:
-        raise ProtocolError(f"peer {peer} sent a malformed info reply: {e}") from None
+    return decode_reply(messages.Info, reply, peer, "info")

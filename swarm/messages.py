@@ -120,7 +120,11 @@ class Hidden:
 
 
 def round_trip(tensor, encoding: str):
-    """What a receiver decodes of `tensor` sent in `encoding`."""
+    """What a receiver decodes of `tensor` sent in `encoding` (for a float encoding, the cast: no bytes made)."""
+    import torch
+
+    if encoding in FLOAT_ENCODINGS:
+        return tensor.detach().to("cpu", getattr(torch, encoding))
     return Hidden.encode(tensor, encoding).decode()
 
 
