@@ -6,8 +6,8 @@
   that is, while its request line and headers trickle in, or idle between keep-alive requests;
 - at most `max_connections` are open; at the cap, a new connection evicts the connection that has
   waited longest for its headers or is still sending its body, so a flood of slow connections cannot
-  lock real clients out. If every connection is inside a handler past its body (or was accepted in the
-  same burst), the new one gets 503 and is closed;
+  lock real clients out (a burst of accepts evicts the oldest of its own if nothing older waits). If
+  every connection is inside a handler past its body, the new one gets 503 and is closed;
 - a client that disconnects cancels its handler (aiohttp's `handler_cancellation`, turned on here), so
   the work it started (a generation, its peer sessions) is released at once.
 
@@ -89,12 +89,19 @@ class _Guard:
         if len(self.server.connections) + len(self.accepting) >= self.limits.max_connections and \
                 len(open_now := [c for c in self.server.connections if c.transport is not None]) + \
                 len(self.accepting) >= self.limits.max_connections:
-            waiting = [c for c in open_now if c not in self.in_handler or c in self.reading]
+            # connections accepted earlier in this burst wait for their headers too: they can be evicted
+            waiting = [c for c in open_now if c not in self.in_handler or c in self.reading] + list(self.accepting)
             if not waiting:
                 self.refused += 1
                 return _Refuse()
             oldest = min(waiting, key=lambda c: self.waiting_since.get(c, 0.0))
-            self._close(oldest)
+            if oldest in self.accepting:
+                # its transport has scheduled `connection_made` already; close right after it
+                self.accepting.discard(oldest)
+                self.waiting_since.pop(oldest, None)
+                asyncio.get_running_loop().call_soon(oldest.force_close)
+            else:
+                self._close(oldest)
             self.evicted += 1
         handler = self.server()
         self.waiting_since[handler] = time.monotonic()

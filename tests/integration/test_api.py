@@ -423,11 +423,14 @@ def test_slow_header_flood_does_not_starve_a_real_request(api, oai, model_id):
             fresh[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         answer = oai.completions.create(model=model_id, prompt=PROMPT, max_tokens=4, temperature=0)
         after = _evicted(api)
+        # the fresh ones left reach their header deadline: each is closed by the server within a few seconds
+        ended = sum(_closed_by_server(s, 10) for s in fresh)
     finally:
         for s in fresh:
             s.close()
         flood.join(60)
     assert "Paris" in answer.choices[0].text and after >= evicted + 1
+    assert ended == len(fresh)
     closed, opened = result["flood"]
     assert opened >= 250 and closed == opened  # every slow connection was evicted or timed out within 8 s
     dropped = scrape(api)["swarm_api_connections_dropped"]
@@ -460,6 +463,21 @@ def test_slow_body_flood_does_not_starve_a_real_request(api, oai, model_id):
         for s in socks:
             s.close()
     assert "Paris" in answer.choices[0].text and after >= evicted + 1
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bool:
+    """Whether the server closes `s` (end of stream, or a reset) within `within` seconds of now."""
+    deadline = time.monotonic() + within
+    while (left := deadline - time.monotonic()) > 0:
+        s.settimeout(left)
+        try:
+            if s.recv(4096) == b"":
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except (socket.timeout, TimeoutError):
+            return False
+    return False
 
 
 def _evicted(api: str) -> float:

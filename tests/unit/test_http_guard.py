@@ -135,6 +135,29 @@ def test_a_burst_of_connections_does_not_exceed_the_cap():
     run(main())
 
 
+def test_a_real_request_accepted_in_a_burst_evicts_a_connection_of_the_same_burst():
+    async def main():
+        limits = http.Limits(max_connections=3, header_timeout=10)
+        async with serving(limits) as server:
+            guard = server.guard
+            # blocking connects from the loop's own thread: the kernel completes them all, and the server
+            # accepts them in one burst once the loop runs again, with none of them listed yet
+            slow = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(limits.max_connections)]
+            for s in slow:
+                s.sendall(b"GET /ok HTTP/1.1\r\n")  # headers never finished
+            real = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            real.sendall(GET_OK)
+            real.setblocking(False)
+            r, w = await asyncio.open_connection(sock=real)
+            assert (await read_response(r))[::2] == (200, b"ok")
+            assert guard.refused == 0 and guard.evicted == 1
+            close_all(w)
+            for s in slow:
+                s.close()
+
+    run(main())
+
+
 def blocking_route() -> tuple[asyncio.Event, list[int], Routes]:
     """`/block` waits for the event; `entered` counts the handlers that started."""
     release, entered = asyncio.Event(), []
