@@ -47,6 +47,12 @@ class ClientConfig:
                                     "(0: fail at once)")
     route_seed: int | None = option(None, help="seed of the random order in which sessions break ties between "
                                     "equally good peers (default: a random seed)")
+    allow_peers: tuple[str, ...] = option((), metavar="PEER_ID", help="route only through these peers (ids as "
+                                          "`swarm status` shows them); records of any other peer are ignored "
+                                          "(default: any peer)")
+    verify_fraction: float = option(0.25, metavar="P", help="after each step, each hop is checked against another "
+                                    "replica of its blocks with this probability (everything since its last check "
+                                    "is compared; 0: no checks); users see only checked output")
 
     def __post_init__(self) -> None:
         positive = ("refresh_interval", "ping_timeout", "open_timeout", "step_timeout", "min_deadline",
@@ -62,6 +68,8 @@ class ClientConfig:
                               f"{self.prefill_wire!r}")
         if self.min_precision not in PRECISIONS:
             raise ConfigError(f"--min-precision must be one of {', '.join(PRECISIONS)}, not {self.min_precision!r}")
+        if not 0 <= self.verify_fraction <= 1:
+            raise ConfigError(f"--verify-fraction must be in [0, 1], not {self.verify_fraction}")
         if not (math.isfinite(self.wait_for_blocks) and self.wait_for_blocks >= 0):
             raise ConfigError(f"--wait-for-blocks must be 0 or a number of seconds, not {self.wait_for_blocks}")
 

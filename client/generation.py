@@ -22,6 +22,7 @@ skipped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,7 @@ import torch
 
 from client.session import Failover, InferenceSession
 from client.swarm_client import SwarmClient
-from swarm.errors import SwarmError
+from swarm.errors import Rewound, SwarmError
 from swarm.head import ModelHead
 
 
@@ -59,6 +60,7 @@ class Delta:
 
 CONTEXT_TOKENS = 6  # tokens decoded before a new one, so that its text is decoded in context
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by it would overflow)
+MAX_REWINDS = 8  # wrong outputs found in one generation before it gives up
 
 
 @dataclass
@@ -151,6 +153,7 @@ class Generation:
         self.failovers: list[Failover] = []
         self.first_token_s: float | None = None
         self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
+        self.released = 0  # tokens whose deltas were given out
         self.session: InferenceSession | None = None
 
     @property
@@ -170,28 +173,71 @@ class Generation:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def run(self) -> AsyncIterator[list[Delta]]:
-        s = self.sampling
+        """Deltas as they are verified (`InferenceSession.verified_length`): a token's text goes out once the
+        outputs it was made from were checked, so a lying peer caught later changes nothing already sent (the
+        session rewinds, and the tokens after the wrong position are made again)."""
+        s, prompt = self.sampling, len(self.prompt)
         started = time.perf_counter()
         sampler = Sampler(s, self.head.vocab_size)
-        ids = torch.tensor([self.prompt] * s.n, dtype=torch.int64)
-        session = self.session = InferenceSession(self.client, len(self.prompt) + s.max_tokens)
+        session = self.session = InferenceSession(self.client, prompt + s.max_tokens)
+        made: list[list[int]] = []  # each step's tokens, one per choice
+        saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
+        pending: list[list[Delta]] = []  # deltas of tokens made but not given out yet
+        position, ids = 0, torch.tensor([self.prompt] * s.n, dtype=torch.int64)
         try:
-            hidden = await self._in_pool(self.head.embed, ids, 0)
-            for produced in range(s.max_tokens):
-                out = await session.step(hidden)
-                tokens = await self._in_pool(self._next_tokens, sampler, out[:, -1])
-                if self.first_token_s is None:
-                    self.first_token_s = time.perf_counter() - started
-                yield self._advance(tokens, last=produced == s.max_tokens - 1)
-                if all(c.finish_reason for c in self.choices):
+            for _ in range(MAX_REWINDS + 1):
+                try:
+                    while len(made) < s.max_tokens and not all(c.finish_reason for c in self.choices):
+                        hidden = await self._in_pool(self.head.embed, ids, position)
+                        out = await session.step(hidden, position)
+                        tokens = await self._in_pool(self._next_tokens, sampler, out[:, -1])
+                        made.append(tokens)
+                        pending.append(self._advance(tokens, last=len(made) == s.max_tokens))
+                        saved.append(self._save(sampler))
+                        position, ids = prompt + len(made) - 1, torch.tensor(tokens, dtype=torch.int64)[:, None]
+                        if out_now := self._release(pending, len(made), session.verified_length - prompt + 1):
+                            self.first_token_s = self.first_token_s or time.perf_counter() - started
+                            saved[:self.released] = [None] * self.released  # never rewound to: released
+                            yield out_now
+                    await session.verify()  # everything, before the last deltas go out
+                    yield self._release(pending, len(made), len(made))
                     return
-                hidden = await self._in_pool(self.head.embed, torch.tensor(tokens, dtype=torch.int64)[:, None],
-                                              len(self.prompt) + produced)
+                except Rewound as e:
+                    keep = max(0, e.position - prompt + 1)  # tokens made from outputs before the wrong one
+                    del made[keep:], saved[keep + 1:], pending[keep - self.released:]
+                    self._restore(sampler, saved[keep])
+                    position = e.position
+                    ids = (torch.tensor([self.prompt[position:]] * s.n, dtype=torch.int64) if position < prompt
+                           else torch.tensor(made[-1], dtype=torch.int64)[:, None])
+            raise SwarmError(f"outputs were found wrong {MAX_REWINDS} times in one generation")
         finally:
             self.failovers = list(session.failovers)
             # closed in a task of its own: it completes even if this one is being cancelled, and the
             # response need not wait for it (the owner may wait for `closing` before shutting down)
             self.closing = asyncio.ensure_future(session.close())
+
+    def _release(self, pending: list[list[Delta]], made: int, verified: int) -> list[Delta]:
+        """The deltas of tokens up to `verified` (of `made`) not given out yet, merged per choice."""
+        upto = max(self.released, min(made, verified))
+        out = [d for deltas in pending[:upto - self.released] for d in deltas]
+        del pending[:upto - self.released]
+        self.released = upto
+        merged: dict[int, Delta] = {}
+        for d in out:
+            before = merged.get(d.index)
+            merged[d.index] = d if before is None else Delta(d.index, before.text + d.text, d.finish_reason)
+        return list(merged.values())
+
+    def _save(self, sampler: Sampler) -> tuple:
+        return ([dataclasses.replace(c, ids=list(c.ids), context=list(c.context)) for c in self.choices],
+                [g.get_state() for g in sampler.generators], None if sampler.counts is None else sampler.counts.clone())
+
+    def _restore(self, sampler: Sampler, state: tuple) -> None:
+        choices, generators, counts = state
+        self.choices = [dataclasses.replace(c, ids=list(c.ids), context=list(c.context)) for c in choices]
+        for g, saved in zip(sampler.generators, generators):
+            g.set_state(saved)
+        sampler.counts = None if counts is None else counts.clone()
 
     def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> list[int]:
         return sampler(self.head.logits(hidden))

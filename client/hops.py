@@ -1,14 +1,21 @@
-"""Per-hop bookkeeping of an inference session: what it sent into each hop (for exact replay onto a new
-peer) and whether a hop's peer became slow. Synchronous, no network."""
+"""Per-hop bookkeeping of an inference session: its links (a hop of the route and the session there),
+what it sent into each hop (for exact replay onto a new peer) and whether a hop's peer became slow.
+Synchronous, no network."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
+from client.peer_client import PeerSession
+from client.routing import Hop
 from swarm.errors import BadRequest
+
+IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
 
 
 class SlowDetector:
@@ -77,3 +84,28 @@ class Inputs:
             self.buf = grown
         self.buf[:, self.length:end] = x
         self.length = end
+
+
+@dataclass
+class Link:
+    """One hop of the live route and its open session (None until first used)."""
+
+    hop: Hop
+    session: PeerSession | None = None
+    detector: SlowDetector = field(default_factory=SlowDetector)
+    slow: bool = False
+    used_at: float = field(default_factory=time.monotonic)  # last step sent or session opened
+    used_before: float = field(default_factory=time.monotonic)  # used_at before the last step was sent
+    reopened: bool = False  # already reopened once on the same peer (its session had expired)
+    assumed_ms: float = 0.0  # a decode step's time through the hop (delay and compute, load included) its
+    # route assumed when chosen
+    claimed: bool = False  # counted in the client's load at its peer until released
+
+
+@dataclass(frozen=True)
+class Failover:
+    blocks: str
+    failed_peer: str
+    reason: str
+    new_hops: tuple[str, ...]
+    stall_s: float  # from sending the step that failed to its output from the new peers

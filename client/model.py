@@ -24,6 +24,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from client.checked import checked_generate
 from client.config import ClientConfig
 from client.connection import SwarmConnection
 from client.routing import Hop
@@ -53,6 +54,7 @@ class RemoteSession:
         self.model = model
         self.session = InferenceSession(model.connection.client, max_length, on_wait=model.on_wait)
         self.tokens: torch.Tensor | None = None  # ids processed so far [batch, length]
+        self.last_ids: torch.Tensor | None = None  # the ids of the last `feed` (a rewind goes on from a prefix)
         self.mask: torch.Tensor | None = None
 
     @property
@@ -79,6 +81,10 @@ class RemoteSession:
             raise BadRequest(f"input ids must be [batch, tokens >= 1], got {list(input_ids.shape)}")
         if attention_mask is not None and bool(attention_mask.all()) and self.mask is None:
             attention_mask = None
+        self.last_ids = input_ids
+        if self.tokens is not None and self.tokens.shape[1] > self.session.length:  # rolled back under us (a rewind)
+            self.tokens = self.tokens[:, :self.session.length]
+            self.mask = None if self.mask is None else self.mask[:, :self.session.length]
         keep = self._common_prefix(input_ids, attention_mask)
         keep = min(keep, input_ids.shape[1] - 1)  # at least one token runs, to give logits
         hidden = self.model.head.embed(input_ids[:, keep:], keep, attention_mask)
@@ -203,13 +209,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' `generate`, in an inference session sized for this call (or the active one)."""
+        ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        if ids is None or args:
+            raise BadRequest("generate needs input ids (and takes its other arguments by name)")
         if self.active_session is not None:
-            return super().generate(inputs, *args, **kwargs)
-        ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if ids is None:
-            raise BadRequest("generate needs input ids")
-        with self.inference_session(max_length=self._max_length(ids.shape[1], kwargs)):
-            return super().generate(inputs, *args, **kwargs)
+            return checked_generate(super().generate, self.active_session, ids, kwargs)
+        with self.inference_session(max_length=self._max_length(ids.shape[1], kwargs)) as remote:
+            return checked_generate(super().generate, remote, ids, kwargs)
 
     def _max_length(self, prompt_length: int, kwargs: dict) -> int:
         config = kwargs.get("generation_config") or self.generation_config

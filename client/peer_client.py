@@ -2,8 +2,11 @@
 
 The lowest layer of the client SDK. Every reply is checked (`swarm.calls.exchange`): an ERROR
 message becomes its typed error (so callers can tell "reroute" from "give up"), and an output whose
-step id or shape does not match the request is a `ProtocolError`, never silently used. The info call
-is `swarm.calls.info`, re-exported here.
+step id or shape does not match the request is a `ProtocolError`, never silently used. A session
+step's output names what the peer computed on (`swarm.integrity.input_digest`): for a step the client
+sent, it must be what was sent (else `ProtocolError`); for a step another peer pushed, the caller says
+what it must be (the previous hop's output), else `ChainMismatch`. The info call is `swarm.calls.info`,
+re-exported here.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import torch
 
 from swarm import messages, wire
 from swarm.calls import MAX_REPLY_BYTES, decode_reply, exchange, info, raise_if_error
-from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout
+from swarm.errors import BadRequest, ChainMismatch, ConnectionLost, ProtocolError, StepTimeout
+from swarm.integrity import input_digest, push_tag
 from swarm.span import Span
 from swarm.transport import Node, Stream
 
 __all__ = ["PeerSession", "forward", "info"]
 
 MAX_STALE_REPLIES = 8  # replies to earlier steps skipped while waiting for one step's output
+MAX_SENT = 64  # digests of sent steps kept until their output arrives
 
 
 def _mask(mask: torch.Tensor | None) -> wire.Blob | None:
@@ -36,8 +41,10 @@ class PeerSession:
         self.id: str = opened.session
         self.span = Span(opened.start, opened.end)
         self._steps = itertools.count()
+        self._sent: dict[int, str] = {}  # step id -> digest of what we sent, until its output arrives
         self.last_compute_ms = 0.0
         self.pushed = False  # whether the last output was also pushed on to the next peer
+        self.last_output: messages.Output | None = None  # as received: its hidden states are what was pushed on
 
     @classmethod
     async def open(cls, node: Node, peer: str, model: str, span: Span, *, max_length: int, batch: int = 1,
@@ -63,24 +70,35 @@ class PeerSession:
         """A step id for a step that another peer will push into this session."""
         return next(self._steps)
 
+    def chain_hop(self, sender: str) -> messages.ChainHop:
+        """This session as a later hop of a chained step that peer `sender` pushes into it."""
+        step = self.reserve()
+        return messages.ChainHop(self.stream.remote, self.id, step,
+                                 push_tag(self.opened.push_key, self.id, step, sender))
+
     async def send(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None, *,
                    step: int | None = None, chain: list[messages.ChainHop] | None = None,
                    encoding: str = "float32") -> int:
         """Send a step without waiting for its output; its step id. With `chain` (the hops after this one),
-        the peer pushes its output on to the next of them. The peer decodes `messages.round_trip(hidden,
+        the peer pushes its output on to the next of them. The peer decodes `swarm.hidden.round_trip(hidden,
         encoding)`; its output comes back in the same encoding."""
         step = next(self._steps) if step is None else step
         msg = messages.Step(step, position, messages.Hidden.encode(hidden, encoding), _mask(attention_mask),
                         tuple(chain) if chain else None)
+        if len(self._sent) >= MAX_SENT:
+            self._sent.pop(next(iter(self._sent)))
+        self._sent[step] = input_digest(position, msg.hidden, msg.mask)
         try:
             await wire.write_message(self.stream.writer, msg.to_message())
         except (ConnectionError, OSError) as e:
             raise ConnectionLost(f"peer {self.stream.remote} closed the stream ({type(e).__name__})") from None
         return step
 
-    async def receive(self, step: int, shape: tuple[int, ...], timeout: float) -> torch.Tensor:
+    async def receive(self, step: int, shape: tuple[int, ...], timeout: float,
+                      expected_input: str | None = None) -> torch.Tensor:
         """The output of step `step`, expected of `shape`, decoded. Replies to earlier steps (a pushed step that
-        arrived after the client relayed it) are skipped; an ERROR for this step is raised as its typed error."""
+        arrived after the client relayed it) are skipped; an ERROR for this step is raised as its typed error.
+        `expected_input`: the digest of what a pushed step must have computed on."""
         deadline = time.monotonic() + timeout
         for _ in range(MAX_STALE_REPLIES + 1):
             try:
@@ -99,10 +117,22 @@ class PeerSession:
                 raise ProtocolError(f"peer {self.stream.remote} answered step {step} with {reply.type!r} "
                                     f"for step {got!r}")
             output, out = _output(reply, self.stream.remote, shape)
+            self._check_input(step, output.input, expected_input)
+            self.last_output = output
             self.last_compute_ms = output.compute_ms
             self.pushed = output.pushed is True
             return out
         raise ProtocolError(f"peer {self.stream.remote} sent more than {MAX_STALE_REPLIES} stale replies")
+
+    def _check_input(self, step: int, got: str | None, expected: str | None) -> None:
+        sent = self._sent.pop(step, None)
+        if got is None:
+            raise ProtocolError(f"peer {self.stream.remote} did not say what step {step} computed on")
+        if sent is not None and got != sent:
+            raise ProtocolError(f"peer {self.stream.remote} says step {step} computed on other input than was sent")
+        if sent is None and expected is not None and got != expected:
+            raise ChainMismatch(f"peer {self.stream.remote} computed step {step} on other input than the previous "
+                                "hop's output")
 
     async def close(self) -> None:
         try:

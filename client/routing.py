@@ -8,8 +8,21 @@ includes ours once the peer re-announces) plus the steps it announced waiting fo
 batches the decode steps of its sessions, so each extra session slows every step by a share of a step,
 not a whole one. The delay of a hop is the client's delay to its peer; when chaining, a later hop's
 delay is the round trip the previous hop's peer announced to it (`Offer.links`), where it did.
-Figures the client measured itself win over what peers announce; a peer with no measurement of its
-delay gets a pessimistic default, so a measured peer is preferred at equal speed.
+Figures the client measured itself win over what peers announce.
+
+What a peer announces is believed only as far as the client checked it, since anyone can sign records
+for as many identities as they like (Sybils) and claim any speed:
+- A peer that never answered this client (no ping, no step) is *unproven*. A route uses an unproven
+  peer for a block only when no proven eligible peer serves that block: the first key of a route's cost
+  is the number of its blocks served by unproven peers, before any time in ms. No priced penalty would
+  do, since a proven honest peer may be slower than any constant. Among themselves unproven peers cost
+  `UNMEASURED_DELAY_MS` plus `UNKNOWN_BLOCK_MS` per block whatever they claim, so an absurd claim wins
+  nothing; `SwarmClient.route` pings them before it settles for one.
+- A peer that answered a ping but ran no decode step for us is priced by its claim, but at most
+  `CLAIM_CAP` times as fast per block as the fastest peer this client measured by its steps: a new peer
+  that is really faster still wins, and a reachable liar wins no more than that factor, so load still
+  spreads sessions and it gets one chance to fail (then it is banned) or be measured.
+- A peer measured by its decode steps is priced by them alone.
 
 Eligible peers are online, not banned, not excluded by the caller (e.g. slow for this session) and,
 when a session needs cache, announce (or were last measured with) room for it. If some block has no
@@ -40,7 +53,8 @@ from swarm.span import Span
 
 UNMEASURED_DELAY_MS = 50.0  # network delay assumed for a peer never measured
 FORMAT_PENALTY_MS = 10_000.0  # a hop in another weight format than the one preferred (failover keeps formats)
-UNKNOWN_BLOCK_MS = 100.0  # compute per block assumed for a peer that announced no throughput
+UNKNOWN_BLOCK_MS = 100.0  # compute per block assumed for an unproven peer, or one that announced no throughput
+CLAIM_CAP = 2.0  # a claim counts at most this many times as fast per block as the fastest peer measured by steps
 # Each session (or queued step) at a peer slows its steps by this share of a step: a peer batches the decode
 # steps of its sessions, and 8 sessions on one peer ran 3.43x one session's tokens/s (docs/benchmarks.md,
 # batching), i.e. each step took 8 / 3.43 = 2.33x, 1 + 0.19 per other session.
@@ -149,13 +163,24 @@ class Measurements:
         figures = self.peers.get(peer)
         return None if figures is None else figures.block_ms.value
 
+    def proven(self, peer: str) -> bool:
+        """Whether the peer ever answered this client (a ping or a step)."""
+        return self.delay_ms(peer) is not None
+
+    def fastest_block_ms(self) -> float | None:
+        """The least compute per block measured by any peer's decode steps; None before the first."""
+        return min((f.block_ms.value for f in self.peers.values() if f.block_ms.value is not None), default=None)
+
     def block_ms(self, offer: Offer) -> float:
+        """Compute per block: measured, else the claim of a proven peer capped by `CLAIM_CAP`, else
+        `UNKNOWN_BLOCK_MS` (see the module docstring)."""
         figures = self.peers.get(offer.peer)
         if figures is not None and figures.block_ms.value is not None:
             return figures.block_ms.value
-        if offer.throughput > 0:
-            return 1000.0 / (offer.throughput * len(offer.span))
-        return UNKNOWN_BLOCK_MS
+        if offer.throughput <= 0 or not self.proven(offer.peer):
+            return UNKNOWN_BLOCK_MS
+        claimed, fastest = 1000.0 / (offer.throughput * len(offer.span)), self.fastest_block_ms()
+        return claimed if fastest is None else max(claimed, fastest / CLAIM_CAP)
 
     def expected_ms(self, offer: Offer, blocks: int, tokens: int) -> float:
         """How long a step of `tokens` through `blocks` of this peer should take, network included."""
@@ -164,30 +189,43 @@ class Measurements:
 
 
 class Bans:
-    """Peers that failed recently, each banned for `base * 2**(failures-1)` seconds (at most `limit`).
-    A success resets a peer's failure count."""
+    """Peers that failed recently, each banned for `base * 2**(failures-1)` seconds (at most `limit`), or
+    for a set time (`ban(..., seconds)`: caught lying). A success resets a peer's failure count."""
 
     def __init__(self, base: float = 5.0, limit: float = 300.0, clock: Callable[[], float] = time.monotonic):
         self.base, self.limit, self.clock = base, limit, clock
         self.failures: dict[str, int] = {}
         self.until: dict[str, float] = {}
         self.reasons: dict[str, str] = {}
+        self.fixed: set[str] = set()  # banned for a set time that neither a success nor a ping lifts
 
-    def ban(self, peer: str, reason: str) -> float:
+    def ban(self, peer: str, reason: str, seconds: float | None = None) -> float:
+        """Ban `peer` for the usual backoff, or for `seconds` (a peer caught lying: no success lifts it)."""
         count = self.failures.get(peer, 0) + 1
         self.failures[peer] = count
-        seconds = min(self.base * 2.0 ** min(count - 1, 60), self.limit)
-        self.until[peer] = self.clock() + seconds
+        if seconds is None:
+            seconds = min(self.base * 2.0 ** min(count - 1, 60), self.limit)
+        else:
+            self.fixed.add(peer)
+        self.until[peer] = max(self.until.get(peer, -math.inf), self.clock() + seconds)
         self.reasons[peer] = reason
         return seconds
 
     def banned(self, peer: str) -> bool:
         return self.until.get(peer, -math.inf) > self.clock()
 
+    def _fixed(self, peer: str) -> bool:
+        if peer in self.fixed and not self.banned(peer):
+            self.fixed.discard(peer)  # served its time
+        return peer in self.fixed
+
     def lift(self, peer: str) -> None:
-        self.until.pop(peer, None)
+        if not self._fixed(peer):
+            self.until.pop(peer, None)
 
     def succeeded(self, peer: str) -> None:
+        if self._fixed(peer):
+            return
         self.failures.pop(peer, None)
         self.until.pop(peer, None)
         self.reasons.pop(peer, None)
@@ -259,24 +297,25 @@ def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, 
     names = sorted({o.peer for o in usable})  # sorted, so that a seeded rng gives the same order every time
     rank = dict(zip(names, (rng.random() for _ in names))) if rng is not None else {p: p for p in names}
     by_peer = {o.peer: o for o in usable}
-    priced = []  # per offer: compute per block under load, the client's delay, the state it leads to
+    priced = []  # per offer: compute per block under load, the client's delay, unproven (0/1), next state
     for offer in usable:
         delay = measurements.delay_ms(offer.peer)
         priced.append((offer, block_cost_ms(offer, measurements, own), UNMEASURED_DELAY_MS if delay is None else delay,
-                       offer.peer if chain and offer.links else ""))
+                       int(delay is None), offer.peer if chain and offer.links else ""))
     # Dijkstra over states (boundary, last peer): the last peer is kept only when its links can price the
-    # next hop ('' otherwise), so without links this is Dijkstra over boundaries. Cost: (ms, hops, ranks).
+    # next hop ('' otherwise), so without links this is Dijkstra over boundaries. Cost: (blocks at unproven
+    # peers, ms, hops, ranks).
     start = (span.start, "")
-    best: dict[tuple[int, str], tuple[float, int, tuple]] = {start: (0.0, 0, ())}
+    best: dict[tuple[int, str], tuple[int, float, int, tuple]] = {start: (0, 0.0, 0, ())}
     came: dict[tuple[int, str], tuple[tuple[int, str], Offer]] = {}
-    queue = [(0.0, 0, (), start)]
+    queue = [(0, 0.0, 0, (), start)]
     while queue:
-        cost, hops, key, state = heapq.heappop(queue)
+        unproven, cost, hops, key, state = heapq.heappop(queue)
         here, last = state
-        if best.get(state) != (cost, hops, key) or here == span.end:
+        if best.get(state) != (unproven, cost, hops, key) or here == span.end:
             continue
         before = by_peer.get(last) if last else None
-        for offer, per_block, delay, after in priced:
+        for offer, per_block, delay, doubt, after in priced:
             if not offer.span.start <= here < offer.span.end:
                 continue
             linked = None if before is None else link_ms(before, offer.peer)
@@ -285,7 +324,8 @@ def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, 
                 hop_ms += FORMAT_PENALTY_MS
             ranks = key + (rank[offer.peer],)
             for there in range(here + 1, min(offer.span.end, span.end) + 1):
-                entry = (cost + hop_ms + (there - here) * per_block, hops + 1, ranks)
+                blocks = there - here
+                entry = (unproven + doubt * blocks, cost + hop_ms + blocks * per_block, hops + 1, ranks)
                 target = (there, after)
                 if target not in best or entry < best[target]:
                     best[target], came[target] = entry, (state, offer)

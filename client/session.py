@@ -15,7 +15,11 @@ Chaining (`ClientConfig.chain`, on by default): once every hop has an open sessi
 first hop naming the later ones, and each peer pushes its output straight to the next
 (docs/protocol.md). Every peer still replies its output to the client, so the history is the same as
 when relaying. A hop whose push did not leave is sent its input by the client; a hop that fails or
-misses its deadline is handled exactly like a relayed failure (above).
+misses its deadline is handled exactly like a relayed failure (above). (`client.chaining`)
+
+Checked outputs (`ClientConfig.verify_fraction`, `client.verify`): hops are compared with other replicas
+in the background; `verified_length` says how far all of them agreed, and a hop found lying is replaced
+and the session rolled back to its first wrong position (`Rewound` to a caller that wanted to go on).
 
 Deadlines come from the peer's own recent figures (`SwarmClient.deadline`), so a frozen peer costs
 about `min_deadline` plus a few expected step times, not minutes. A peer whose decode steps become
@@ -41,52 +45,25 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from client import peer_client
 from client.encodings import REPLAY_ENCODING, Encodings
-from client.hops import Inputs, SlowDetector, step_mask
-from client.peer_client import PeerSession
+from client.chaining import ChainedSteps
+from client.failures import Attempts
+from client.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, step_mask
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
-from client.swarm_client import SwarmClient, retryable
-from swarm import messages
-from swarm.errors import BadRequest, NoRoute, StepTimeout, SwarmError
+from client.swarm_client import SwarmClient
+from client.verify import Verifier
+from swarm import hidden as wire_hidden
+from swarm.errors import BadRequest, ChainMismatch, NoRoute, Rewound, SwarmError
 from swarm.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 
-PROBE_TIMEOUT = 0.5  # seconds a peer that missed a chained step's deadline has to answer an info call
-IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
 
 
-@dataclass
-class Link:
-    """One hop of the live route and its open session (None until first used)."""
-
-    hop: Hop
-    session: PeerSession | None = None
-    detector: SlowDetector = field(default_factory=SlowDetector)
-    slow: bool = False
-    used_at: float = field(default_factory=time.monotonic)  # last step sent or session opened
-    used_before: float = field(default_factory=time.monotonic)  # used_at before the last step was sent
-    reopened: bool = False  # already reopened once on the same peer (its session had expired)
-    assumed_ms: float = 0.0  # a decode step's time through the hop (delay and compute, load included) its
-    # route assumed when chosen
-    claimed: bool = False  # counted in the client's load at its peer until released
-
-
-@dataclass(frozen=True)
-class Failover:
-    blocks: str
-    failed_peer: str
-    reason: str
-    new_hops: tuple[str, ...]
-    stall_s: float  # from sending the step that failed to its output from the new peers
-
-
-class InferenceSession:
+class InferenceSession(ChainedSteps):
     """`async with InferenceSession(client, max_length) as s: out = await s.step(hidden)`.
 
     `on_wait(message)`: called (on the event loop) when a step begins to wait for blocks to be served
@@ -112,6 +89,8 @@ class InferenceSession:
         self.mask: torch.Tensor | None = None  # the attention mask of positions [0, length), when not all ones
         self.avoid: set[str] = set()  # peers too slow for this session
         self.failovers: list[Failover] = []
+        self.verifier: Verifier | None = None  # checks the hops' outputs (`verify_fraction` > 0)
+        self.relay_next = False  # after a rewind, later hops hold more than the session: the next step is relayed
         self.hop_inputs = {"sent": 0, "pushed": 0}  # hop inputs the client sent, and those a peer pushed on
         self._chain_began = 0.0  # when the last chained step was sent: a failover's stall counts from there
         self.closed = False
@@ -129,6 +108,8 @@ class InferenceSession:
 
     async def close(self) -> None:
         self.closed = True
+        if self.verifier is not None:
+            await self.verifier.close()
         links, self.links = self.links, []
         for link in links:
             self._release(link)
@@ -137,14 +118,7 @@ class InferenceSession:
     async def _close_link(self, link: Link) -> None:
         session, link.session = link.session, None
         if session is not None:
-            await self._close_session(link.hop.peer, session)
-
-    async def _close_session(self, peer: str, session: PeerSession) -> None:
-        self.client.measurements.forget_cache(peer)  # our reservation there ends
-        try:
-            await asyncio.wait_for(session.close(), 2.0)
-        except (asyncio.TimeoutError, SwarmError, OSError):
-            pass  # a dead or frozen peer: its cache is reclaimed when it notices the stream is gone
+            await self.client.close_session(link.hop.peer, session)
 
     # ---- steps ----
 
@@ -156,6 +130,7 @@ class InferenceSession:
         if self.closed:
             raise BadRequest("the inference session is closed")
         position = self.length if position is None else position
+        await self._rewind_if_lied(position)
         if hidden.ndim != 3 or hidden.shape[1] < 1:
             raise BadRequest(f"hidden states must be [batch, tokens, hidden], got {list(hidden.shape)}")
         batch, tokens = hidden.shape[0], hidden.shape[1]
@@ -176,6 +151,9 @@ class InferenceSession:
             self.links = self._adopt(hops)
             if self.encodings is None:
                 self.encodings = self.client.encodings(hops)
+            if self.verifier is None and self.config.verify_fraction > 0:
+                self.verifier = Verifier(self.client, self.config.verify_fraction, self.rng, self.max_length,
+                                         self.batch, self._views, self._formats)
             logger.debug("route: %s (%s on the wire)", " -> ".join(str(h) for h in self.route),
                          "/".join(self.encodings.all))
         elif not self.reconsidered and self.decode_steps >= REROUTE_AFTER:
@@ -183,15 +161,19 @@ class InferenceSession:
         for inputs in self.history.values():
             inputs.truncate(position)
         # a rollback is relayed: peers take a pushed step only at the end of what its session has run
-        chainable = position == self.length
+        chainable, self.relay_next = position == self.length and not self.relay_next, False
+        if self.verifier is not None:
+            self.verifier.rollback(position)
         # until this step succeeds, the session holds positions [0, position): a failed step leaves no trace
         self.length, self.mask = position, None if self.mask is None else self.mask[:, :position]
         # what the first peer decodes, kept as sent; every later hop's input is an output as decoded
         encoding = self.encodings.for_tokens(tokens)
-        x, i, failed = messages.round_trip(hidden, encoding), 0, None
+        x, i, failed = wire_hidden.round_trip(hidden, encoding), 0, None
         while i < len(self.links):
             if failed is None and chainable and self._can_chain(i):
                 i, x, failed = await self._chain(i, x, position, mask, encoding)
+                # after an altered push, later hops hold a step computed on it: relay the rest (a rollback)
+                chainable = not isinstance(failed, ChainMismatch)
                 continue
             self.hop_inputs["sent"] += failed is None
             out = await self._through(i, x, position, mask, failed, self._chain_began if failed else None,
@@ -202,7 +184,68 @@ class InferenceSession:
         self.length = position + tokens
         self.mask = mask
         self.decode_steps += tokens == 1
+        if self.verifier is not None:
+            self._record_output(x, position)
+            self.verifier.after_step([(link.hop.span, link.hop.peer) for link in self.links], self.length)
         return x
+
+    # ---- checked outputs (client.verify) ----
+
+    @property
+    def verified_length(self) -> int:
+        """Positions `[0, verified_length)` whose outputs every hop's check confirmed (all of them when checks
+        are off); a caller shows users only tokens made from those."""
+        if self.verifier is None:
+            return self.length
+        return min((self.verifier.verified(link.hop.span, self.length) for link in self.links), default=self.length)
+
+    async def verify(self) -> None:
+        """Check every hop up to the current length now; `Rewound` if a hop was found lying."""
+        if self.verifier is not None and self.links:
+            await self.verifier.flush([(link.hop.span, link.hop.peer) for link in self.links], self.length)
+        await self._rewind_if_lied(self.length)
+
+    async def _rewind_if_lied(self, position: int) -> None:
+        """If a check found a lie: replace the lying hop (it is banned), roll back to its first wrong position
+        and, if the caller wanted to go on past it, raise `Rewound`."""
+        lie = None if self.verifier is None else self.verifier.lie
+        if lie is None:
+            return
+        self.verifier.lie = None
+        back = min(lie.position, self.length)
+        for i, link in enumerate(self.links):
+            if link.hop.span == lie.span and link.hop.peer == lie.peer:
+                self._close_in_background(link)
+                new_hops = await self._replace(i, exclude=self.avoid)  # opened and replayed at the next step
+                self.failovers.append(Failover(str(lie.span), lie.peer, "wrong_output", new_hops, 0.0))
+                break
+        for inputs in self.history.values():
+            inputs.truncate(back)
+        self.length, self.mask = back, None if self.mask is None else self.mask[:, :back]
+        self.verifier.rollback(back)
+        self.relay_next = True
+        if position > back:
+            raise Rewound(f"peer {describe_peer(lie.peer)} returned wrong outputs for blocks {lie.span} from "
+                          f"position {back}: the session went back there", back)
+
+    def _record_output(self, x: torch.Tensor, position: int) -> None:
+        key = self.client.num_blocks
+        if position:
+            self.history[key].append(x)
+        else:
+            self.history[key] = Inputs(x, self.max_length)
+
+    def _views(self, span):
+        if not any(link.hop.span == span for link in self.links):
+            return None
+        inputs, outputs = self.history.get(span.start), self.history.get(span.end)
+        if inputs is None or outputs is None:
+            return None
+        return inputs.view(), outputs.view(), self.mask
+
+    def _formats(self, span) -> tuple[str, ...]:
+        peers = [link.hop.peer for link in self.links if link.hop.span == span]
+        return tuple(self.client.offer(p).format for p in peers) + self.encodings.all
 
     async def _through(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
                        failed: SwarmError | None = None, began: float | None = None,
@@ -213,7 +256,7 @@ class InferenceSession:
         began = time.perf_counter() if began is None else began
         failure: tuple[str, str, object] | None = None
         new_hops: tuple[str, ...] = ()
-        retries = 0
+        attempts: Attempts = self.client.failures.attempts(self.client.model_id)
         while True:
             if self.closed:
                 raise BadRequest("the inference session was closed during a step")
@@ -229,8 +272,6 @@ class InferenceSession:
                     await self._open(link, position, mask)
                 out = await self._step(link, x, position, mask, encoding)
             except (asyncio.TimeoutError, SwarmError) as e:
-                if not retryable(e) and not (isinstance(e, BadRequest) and link.session is None):
-                    raise  # our own request is wrong: another peer would refuse it too
                 reason = getattr(e, "code", "timeout")
                 if self._expired(link, reason):
                     # the peer reclaimed our idle session (or dropped its stream): reopen there once, no ban
@@ -239,15 +280,9 @@ class InferenceSession:
                     link.reopened = True
                     self._close_in_background(link)
                     continue
-                failure = failure or (link.hop.peer, reason, link.hop.span)
-                retries += 1
-                self.client.ban(link.hop.peer, reason)
-                logger.warning("blocks %s at peer %s failed (%s): rerouting", link.hop.span,
-                               describe_peer(link.hop.peer), e if isinstance(e, SwarmError) else "no reply in time")
+                attempts.failed(link.hop.peer, link.hop.span, e, opening=link.session is None)  # raises: give up
                 self._close_in_background(link)
-                if retries > self.config.max_retries:
-                    raise NoRoute(f"blocks {link.hop.span} of {self.client.model_id} failed on {retries} peers in a "
-                                  f"row; last error: {reason}") from None
+                failure = failure or (link.hop.peer, reason, link.hop.span)
                 new_hops = await self._replace(i, exclude=self.avoid)
                 continue
             link.reopened = False  # a later idle pause may reopen it again
@@ -290,6 +325,8 @@ class InferenceSession:
         span = old.hop.span
         self.links[i:i + 1] = self._adopt(hops)
         self._release(old)
+        if self.verifier is not None:
+            self.verifier.drop(span)  # the new hops are checked afresh
         # inputs at boundaries inside the span are rebuilt by replay, hop by hop
         self.history = {b: h for b, h in self.history.items() if not span.start < b < span.end}
         logger.info("blocks %s now at %s", span, ", ".join(str(h) for h in hops))
@@ -372,7 +409,7 @@ class InferenceSession:
         session, link.session = link.session, None  # detached now: the next attempt opens a new one
         if session is None:
             return
-        task = asyncio.create_task(self._close_session(link.hop.peer, session))
+        task = asyncio.create_task(self.client.close_session(link.hop.peer, session))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -381,12 +418,8 @@ class InferenceSession:
         hop = link.hop
         link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
         link.used_at = time.monotonic()
-        # the session's own timeout bounds its steps; each step's real deadline is the `wait_for` in `_step`
-        link.session = await asyncio.wait_for(
-            PeerSession.open(self.client.node, hop.peer, self.client.model_id, hop.span, max_length=self.max_length,
-                             batch=self.batch, encodings=self.encodings.all, timeout=self.config.step_timeout),
-            self.config.open_timeout)
-        self.client.measurements.cache(hop.peer, link.session.opened.cache_tokens_left)
+        link.session = await self.client.open_session(hop, max_length=self.max_length, batch=self.batch,
+                                                      encodings=self.encodings.all)
         if position == 0:
             return
         inputs = self.history.get(hop.span.start)
@@ -411,8 +444,7 @@ class InferenceSession:
 
     def _observe(self, link: Link, ms: float, tokens: int) -> None:
         hop = link.hop
-        self.client.measurements.step(hop.peer, ms, link.session.last_compute_ms, tokens, len(hop.span))
-        self.client.bans.succeeded(hop.peer)
+        self.client.observe(hop, ms, link.session.last_compute_ms, tokens)
         if link.detector.observe(ms, tokens):
             logger.warning("peer %s is slow (%.0f ms per step): avoiding it for this session",
                            describe_peer(hop.peer), ms)
@@ -425,71 +457,3 @@ class InferenceSession:
             self.history[start].append(x)
         else:
             self.history[start] = Inputs(x, self.max_length)
-
-    # ---- chained steps: peers pass activations straight to the next peer ----
-
-    async def _answers(self, peer: str) -> bool:
-        """Whether `peer` answers an info call promptly (a frozen peer does not; one whose push got lost does)."""
-        try:
-            await asyncio.wait_for(peer_client.info(self.client.node, peer), PROBE_TIMEOUT)
-            return True
-        except (asyncio.TimeoutError, SwarmError):
-            return False
-
-    def _can_chain(self, i: int) -> bool:
-        """Whether links `i`.. can take a chained step: chaining is on, at least two hops are left, each has an
-        open session used recently (a long-idle one may have been reclaimed: relaying finds out at once), and
-        no peer holds two of them (a route rebuilt around a failure can visit a peer twice; peers refuse a
-        chain that names one twice, so such a route is relayed)."""
-        if not self.config.chain or i >= len(self.links) - 1:
-            return False
-        peers = [link.hop.peer for link in self.links[i:]]
-        if len(set(peers)) < len(peers):
-            return False
-        now = time.monotonic()
-        return all(link.session is not None and not link.slow and now - link.used_at < IDLE_REOPEN_S
-                   for link in self.links[i:])
-
-    async def _chain(self, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
-                     encoding: str) -> tuple[int, torch.Tensor, SwarmError | None]:
-        """Send `x` to link `i` naming every later link, then collect each link's output as the peers push
-        the step along. Returns where to go on: (the first link not done, its input, and the error of that
-        link's peer if it failed). A link that failed or stayed past its deadline is handled as in a relayed
-        step (reopened if it expired, else replaced and replayed); a link whose push did not leave hands the
-        next link to the client, which sends it the step itself."""
-        links = self.links[i:]
-        tokens, shape = x.shape[1], tuple(x.shape)
-        chain = [messages.ChainHop(link.hop.peer, link.session.id, link.session.reserve()) for link in links[1:]]
-        now = time.monotonic()
-        for link in links:
-            link.used_before, link.used_at = link.used_at, now
-        started = self._chain_began = time.perf_counter()
-        try:
-            step = await asyncio.wait_for(links[0].session.send(x, position, mask, chain=chain, encoding=encoding),
-                                          self.client.deadline(links[0].hop, shape[0] * tokens))
-        except asyncio.TimeoutError:
-            return i, x, StepTimeout(f"peer {describe_peer(links[0].hop.peer)} did not take a step in time")
-        except SwarmError as e:
-            return i, x, e
-        steps = [step] + [hop.step for hop in chain]
-        for j, link in enumerate(links):
-            if self.closed:
-                raise BadRequest("the inference session was closed during a step")
-            try:
-                out = await link.session.receive(steps[j], shape, self.client.deadline(link.hop, shape[0] * tokens))
-            except SwarmError as e:
-                if j and isinstance(e, StepTimeout) and await self._answers(link.hop.peer):
-                    # alive, so its input may be what went missing (a push lost on the way): send it directly
-                    logger.info("no chained output from peer %s for blocks %s, but it answers: sending it the "
-                                "step", describe_peer(link.hop.peer), link.hop.span)
-                    return i + j, x, None
-                return i + j, x, e
-            now = time.perf_counter()
-            self._observe(link, (now - started) * 1e3, tokens)
-            self.hop_inputs["sent" if j == 0 else "pushed"] += 1
-            started = now
-            self._record(i + j, x, position)
-            x = out
-            if j < len(links) - 1 and not link.session.pushed:
-                return i + j + 1, x, None
-        return len(self.links), x, None

@@ -5,6 +5,13 @@ failure), pings the peers it has not measured, keeps the measured figures, the b
 own sessions hold at each peer (their load), and answers `route(span)` with the cheapest chain
 (`client.routing`); `wait_for_route` also waits, bounded, for blocks with no live peer to be served
 again. Sessions (`client.session`) and stateless forwards use it; neither talks to the DHT itself.
+
+Records cost nothing to forge in numbers (each identity signs its own), so a route is made of peers
+that answered this client wherever one serves the block (`client.routing`), and `route` pings the
+unproven candidates of the blocks it lacks before it settles: in random order (their claims and sequence
+numbers are theirs to choose), `MAX_PINGS` at a time, at most `PING_ROUNDS` times, each round at most
+`ping_timeout`. A record with nothing behind it is banned by its failed ping and never used while a
+peer that answered serves its blocks.
 """
 
 from __future__ import annotations
@@ -22,25 +29,20 @@ import torch
 from client import peer_client
 from client.config import ClientConfig
 from client.encodings import Encodings, choose_encodings
-from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, find_route, hop_cost_ms,
-                            ranges_text, route_cost_ms)
+from client.failures import FailurePolicy
+from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
+                            hop_cost_ms, ranges_text, route_cost_ms)
 from swarm import discovery, placement
-from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.errors import NoRoute, SwarmError
 from swarm.precision import PRECISIONS, format_name
 from swarm.span import Span
 from swarm.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
 
-MAX_PINGS = 32  # peers pinged per refresh at most; the rest keep the default delay until used
+MAX_PINGS = 32  # peers pinged at once at most: per refresh, per round of `route`, per second chance
+PING_ROUNDS = 3  # rounds of pings a route may take to replace unproven peers by peers that answered
 SECOND_CHANCE = ("timeout", "connection_lost")  # bans lifted by a successful ping when there is no other route
-RETRYABLE = ("connection_lost", "timeout", "busy", "out_of_cache", "not_serving", "unknown_session", "protocol",
-             "internal")
-
-
-def retryable(err: BaseException) -> bool:
-    """Whether another peer may succeed where this one failed (the request itself was fine)."""
-    return isinstance(err, asyncio.TimeoutError) or (isinstance(err, SwarmError) and err.code in RETRYABLE)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class SwarmClient:
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
         self.measurements = Measurements()
         self.bans = Bans(base=config.ban_seconds)
+        self.failures = FailurePolicy(self.ban, config.max_retries)
         self.offers: dict[str, Offer] = {}
         self.states: dict[str, PeerState] = {}
         self.own_load: Counter[str] = Counter()  # hops of this client's sessions at each peer
@@ -98,15 +101,17 @@ class SwarmClient:
                     if ann.peer not in latest or ann.seq > latest[ann.peer].seq:
                         latest[ann.peer] = ann
             # a moving peer has its old span online while the new one loads: route by its newest online span
+            allowed = set(self.config.allow_peers)
             self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links,
                                     *a.weights)
-                           for p, a in placement.online(anns).items() if a.span.end <= self.num_blocks}
+                           for p, a in placement.online(anns).items()
+                           if a.span.end <= self.num_blocks and (not allowed or p in allowed)}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
                                         a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights)
                            for p, a in latest.items()}
             self._refreshed = time.monotonic()
-            unmeasured = [p for p in self.offers if self.measurements.delay_ms(p) is None and not self.bans.banned(p)]
-            await self.ping_all(unmeasured[:MAX_PINGS])
+            unproven = [p for p in self.offers if not self.measurements.proven(p) and not self.bans.banned(p)]
+            await self.ping_all(random.sample(unproven, min(MAX_PINGS, len(unproven))))
 
     async def ping(self, peer: str) -> float | None:
         """Round trip of an info call in ms, recorded; on failure the peer is banned and None returned."""
@@ -124,9 +129,10 @@ class SwarmClient:
     async def ping_all(self, peers: list[str]) -> list[float | None]:
         return list(await asyncio.gather(*(self.ping(p) for p in peers)))
 
-    def ban(self, peer: str, reason: str) -> None:
+    def ban(self, peer: str, reason: str, seconds: float | None = None) -> None:
+        """Avoid `peer` for the usual backoff, or for `seconds`."""
         again = self.bans.banned(peer)  # e.g. a second-chance ping failing each second of a wait: said once
-        seconds = self.bans.ban(peer, reason)
+        seconds = self.bans.ban(peer, reason, seconds)
         logger.log(logging.DEBUG if again else logging.INFO, "peer %s failed (%s): avoided for %.0f s",
                    describe_peer(peer), reason, seconds)
 
@@ -166,31 +172,50 @@ class SwarmClient:
 
     async def route(self, span: Span | None = None, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
                     rng: random.Random | None = None, prefer: str | None = None) -> list[Hop]:
-        """The cheapest chain covering `span` (default: every block), refreshing the view if it has none.
+        """The cheapest chain covering `span` (default: every block), refreshing the view if it has none, of
+        peers that answered this client wherever one serves the block (`_proven_route`).
 
         If no chain exists, the view is re-read once; then peers banned for timing out or for a lost
         connection get one ping each (a peer that answers is forgiven), since a slow moment or a transient
-        dial failure must not end a generation that has no alternative. Still nothing: `NoRoute` naming
-        the missing blocks.
+        dial failure must not end a generation that has no alternative: peers that answered before first,
+        `MAX_PINGS` at most. Still nothing: `NoRoute` naming the missing blocks.
         """
         span = span or self.span
         await self.refresh()
         try:
-            return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
+            return await self._proven_route(span, cache_tokens, exclude, rng, prefer)
         except NoRoute:
             await self.refresh(force=True)
         try:
-            return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
+            return await self._proven_route(span, cache_tokens, exclude, rng, prefer)
         except NoRoute:
-            timed_out = [p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
-                         and self.bans.reasons.get(p) in SECOND_CHANCE and o.span.start < span.end
-                         and span.start < o.span.end]
+            timed_out = sorted((p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
+                                and self.bans.reasons.get(p) in SECOND_CHANCE and o.span.start < span.end
+                                and span.start < o.span.end), key=lambda p: not self.measurements.proven(p))
             if not timed_out:
                 raise
+            timed_out = timed_out[:MAX_PINGS]
             for peer, rtt in zip(timed_out, await self.ping_all(timed_out)):
                 if rtt is not None:
                     self.bans.lift(peer)
-            return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
+            return await self._proven_route(span, cache_tokens, exclude, rng, prefer)
+
+    async def _proven_route(self, span: Span, cache_tokens: int, exclude: frozenset[str],
+                            rng: random.Random | None, prefer: str | None) -> list[Hop]:
+        """`find`; while its route has blocks at peers that never answered this client, ping the unproven
+        candidates of those blocks (random order, `MAX_PINGS` a round, `PING_ROUNDS` rounds) and find again.
+        Each pinged candidate is then proven or banned, so the unproven candidates shrink every round."""
+        for _ in range(PING_ROUNDS):
+            hops = self.find(span, cache_tokens, exclude, rng, prefer=prefer)
+            doubtful = [h.span for h in hops if not self.measurements.proven(h.peer)]
+            if not doubtful:
+                return hops
+            usable = eligible(self.offers.values(), self.measurements, self.bans, exclude, cache_tokens,
+                              PRECISIONS.index(self.config.min_precision))
+            candidates = [o.peer for o in usable if not self.measurements.proven(o.peer)
+                          and any(o.span.start < d.end and d.start < o.span.end for d in doubtful)]
+            await self.ping_all(random.sample(candidates, min(MAX_PINGS, len(candidates))))
+        return self.find(span, cache_tokens, exclude, rng, prefer=prefer)
 
     async def wait_for_route(self, span: Span, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
                              rng: random.Random | None = None, on_wait: Callable[[str], None] | None = None,
@@ -238,6 +263,20 @@ class SwarmClient:
         """How a session over `hops` encodes hidden states on the wire (`choose_encodings`)."""
         return choose_encodings(self.config, [(self.offer(h.peer).dtype, self.offer(h.peer).quant) for h in hops])
 
+    def replica(self, span: Span, *, exclude: set[str], fmt: str | None = None,
+                rng: random.Random | None = None) -> Hop | None:
+        """Another peer serving all of `span`, to check a hop against: one in weight format `fmt` if any, those
+        this client has measured first; None if there is none."""
+        candidates = [o for o in self.offers.values() if o.span.start <= span.start and span.end <= o.span.end
+                      and o.peer not in exclude and not self.bans.banned(o.peer)
+                      and o.rank >= PRECISIONS.index(self.config.min_precision)]
+        if not candidates:
+            return None
+        best = min((o.format != fmt, self.measurements.delay_ms(o.peer) is None) for o in candidates)
+        pool = sorted((o.peer for o in candidates
+                       if (o.format != fmt, self.measurements.delay_ms(o.peer) is None) == best))
+        return Hop((rng or random).choice(pool), span)
+
     def offer(self, peer: str) -> Offer:
         return self.offers.get(peer) or Offer(peer, self.span)
 
@@ -252,7 +291,7 @@ class SwarmClient:
         """Whole sequences through every block, hop by hop, rerouting a failed hop's span."""
         hops = await self.route()
         x, i = hidden.float(), 0
-        retries = 0
+        attempts = self.failures.attempts(self.model_id)
         while i < len(hops):
             hop = hops[i]
             try:
@@ -261,17 +300,57 @@ class SwarmClient:
                                         timeout=self.config.step_timeout),
                     self.deadline(hop, x.shape[0] * x.shape[1]))
             except (asyncio.TimeoutError, SwarmError) as e:
-                if not retryable(e) or isinstance(e, BadRequest):
-                    raise
-                retries += 1
-                self.ban(hop.peer, getattr(e, "code", "timeout"))
-                if retries > self.config.max_retries:
-                    raise NoRoute(f"blocks {hop.span} of {self.model_id} failed on {retries} peers; last: {e}") from None
+                attempts.failed(hop.peer, hop.span, e)
                 hops[i:i + 1] = await self.route(hop.span)
                 continue
-            self.bans.succeeded(hop.peer)
+            self.succeeded(hop.peer)
             x, i = x_next, i + 1
         return x
+
+    # ---- what sessions ask of the client: peers' sessions, figures, failures ----
+
+    def succeeded(self, peer: str) -> None:
+        self.bans.succeeded(peer)
+        self.failures.succeeded(peer)
+
+    def observe(self, hop: Hop, ms: float, compute_ms: float, tokens: int) -> None:
+        """A step of `tokens` through `hop` took `ms` (its peer computed `compute_ms` of it)."""
+        self.measurements.step(hop.peer, ms, compute_ms, tokens, len(hop.span))
+        self.succeeded(hop.peer)
+
+    def open_deadline(self, peer: str) -> float:
+        """Seconds opening a session at `peer` may take: a round trip and an allocation, so a measured peer gets
+        about `min_deadline` (a black hole that answers pings and never opens costs that, not `open_timeout`)."""
+        delay = self.measurements.delay_ms(peer)
+        if delay is None:
+            return self.config.open_timeout
+        return min(self.config.open_timeout, self.config.min_deadline + 1.0 + self.config.deadline_factor * delay / 1e3)
+
+    async def open_session(self, hop: Hop, *, max_length: int, batch: int,
+                           encodings: tuple[str, ...]) -> peer_client.PeerSession:
+        """A session at the hop's peer; what it says of its free cache is remembered."""
+        # the session's own timeout bounds its steps; each step's real deadline is the caller's
+        session = await asyncio.wait_for(
+            peer_client.PeerSession.open(self.node, hop.peer, self.model_id, hop.span, max_length=max_length,
+                                         batch=batch, encodings=encodings, timeout=self.config.step_timeout),
+            self.open_deadline(hop.peer))
+        self.measurements.cache(hop.peer, session.opened.cache_tokens_left)
+        return session
+
+    async def close_session(self, peer: str, session: peer_client.PeerSession) -> None:
+        self.measurements.forget_cache(peer)  # our reservation there ends
+        try:
+            await asyncio.wait_for(session.close(), 2.0)
+        except (asyncio.TimeoutError, SwarmError, OSError):
+            pass  # a dead or frozen peer: its cache is reclaimed when it notices the stream is gone
+
+    async def answers(self, peer: str, timeout: float) -> bool:
+        """Whether `peer` answers an info call within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(peer_client.info(self.node, peer), timeout)
+            return True
+        except (asyncio.TimeoutError, SwarmError):
+            return False
 
     # ---- status ----
 

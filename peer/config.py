@@ -58,6 +58,13 @@ class PeerConfig:
     step_timeout: float = option(60.0, help="seconds a step may take before it fails with a timeout")
     idle_timeout: float = option(300.0, help="seconds a session may stay silent before its cache is reclaimed")
     max_queue: int = option(256, help="steps waiting for compute at most; beyond that requests get 'busy'")
+    client_share: float = option(0.25, help="share of the cache and of the sessions one client (peer id) keeps while "
+                                 "others need room: beyond it, its sessions are reclaimed for a client within its "
+                                 "share")
+    reclaim_idle: float = option(5.0, help="seconds a session must be silent before it may be reclaimed for another "
+                                 "session when the cache or the sessions are full")
+    client_forwards: int = option(2, help="stateless forwards of one client computed or queued at once; more wait "
+                                  "their turn")
     push: bool = option(True, help="pass a chained step's output straight to the next peer of the client's route "
                         "(--no-push: the client relays it)")
     announce_interval: float = option(20.0, help="seconds between re-announcements")
@@ -80,11 +87,13 @@ class PeerConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
-                    "idle_timeout", "max_queue", "announce_interval", "record_ttl", "rebalance_interval",
-                    "check_interval", "drain_timeout")
+                    "idle_timeout", "max_queue", "reclaim_idle", "client_forwards", "announce_interval", "record_ttl",
+                    "rebalance_interval", "check_interval", "drain_timeout")
         optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget", "threads")
                     if getattr(self, n) is not None and getattr(self, n) < 1]
         check_positive(self, positive, tuple(optional))
+        if not 0 < self.client_share <= 1:
+            raise ConfigError(f"--client-share must be in (0, 1], not {self.client_share}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quant not in QUANTS:

@@ -32,7 +32,7 @@ def state(info: Any) -> list[tuple[str, str, float, dict[str, str]]]:
         ("swarm_peer_sessions_open", "inference sessions open", info["sessions"], {}),
         ("swarm_peer_max_sessions", "inference sessions open at most (--max-sessions)", info["max_sessions"], {}),
         ("swarm_peer_cache_tokens", "attention cache budget in tokens (--cache-tokens)", info["cache_tokens"], {}),
-        ("swarm_peer_cache_tokens_used", "cache tokens reserved by open sessions (batch x max length each)",
+        ("swarm_peer_cache_tokens_used", "cache tokens committed to open sessions (as they grow)",
          used, {}),
         ("swarm_peer_cache_tokens_left", "cache tokens free for new sessions", info["cache_tokens_left"], {}),
         ("swarm_peer_queued_steps", "session steps and forwards waiting for the compute thread", info["queued"], {}),

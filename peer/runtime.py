@@ -18,16 +18,24 @@ another kind is queued, and at most `BATCH_WAIT_SHARE` of that last call's time 
 most). Without it, sessions that decode together split into a batch of the first to arrive and a batch
 of the rest, and stay split. A batch that shrinks (a session left) costs that one wait.
 
-Order and fairness: the worker always takes the oldest job first, so jobs that are not batched keep FIFO
-order among themselves and every job becomes the head in turn; a job that joins a batch moves ahead of
-older jobs of other keys by that one batch, never more. Jobs of one owner (session) keep their order: a
-job never joins a batch while an older job of its owner is still queued, and two jobs of one owner never
-share a batch.
+Fair order across clients: every job names its client (the authenticated peer that asked for it; None
+for the peer's own work). The worker takes the oldest job of the client that has used the least compute,
+counted in seconds of the worker's time (a shared call is split by rows). A client that starts queueing
+again starts from the figure of the client served last, so idle time is not saved up. So one client's long
+forwards and prefills make a client that uses less wait for at most the one job already running.
+Among one client's jobs, and among jobs that name no client, order is FIFO; a job that joins a batch
+moves ahead of the jobs it skips by that one batch, never more. Jobs of one owner (session) keep their
+order: a job never joins a batch while an older job of its owner is still queued, and two jobs of one
+owner never share a batch.
+
+`ClientSlots` bounds what one client may have in progress at once (the servicer's forwards): the rest wait
+their turn outside the queue, so one client cannot fill it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -59,10 +67,43 @@ class Batch(NamedTuple):
 
 
 class _Job:
-    __slots__ = ("fn", "args", "future", "loop", "batch")
+    __slots__ = ("fn", "args", "future", "loop", "batch", "client")
 
-    def __init__(self, fn, args, future, loop, batch):
+    def __init__(self, fn, args, future, loop, batch, client):
         self.fn, self.args, self.future, self.loop, self.batch = fn, args, future, loop, batch
+        self.client = client
+
+    @property
+    def rows(self) -> int:
+        return self.batch.rows if self.batch is not None else 1
+
+
+class ClientSlots:
+    """At most `limit` holders per client at once (`hold`); the others wait in order, `Busy` after `timeout`.
+    Only clients holding or waiting are remembered."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit, self.what = limit, what
+        self._clients: dict[Hashable, list] = {}  # client -> [its semaphore, holders and waiters]
+
+    @contextlib.asynccontextmanager
+    async def hold(self, client: Hashable, timeout: float):
+        entry = self._clients.setdefault(client, [asyncio.Semaphore(self.limit), 0])
+        entry[1] += 1
+        try:
+            try:
+                await asyncio.wait_for(entry[0].acquire(), timeout)
+            except asyncio.TimeoutError:
+                raise Busy(f"this client already has {self.limit} {self.what} in progress here and waited "
+                           f"{timeout:.0f} s for one to finish; try another peer") from None
+            try:
+                yield
+            finally:
+                entry[0].release()
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._clients[client]
 
 
 class Runtime:
@@ -77,6 +118,8 @@ class Runtime:
         self.batches_run = 0  # calls of a batch function with more than one job
         self.batched_jobs = 0  # jobs settled by those calls
         self._last: dict[Hashable, tuple[frozenset, float]] = {}  # per key: owners and seconds of its last call
+        self._used: dict[Hashable, float] = {}  # per client: seconds of compute, counted as the docstring says
+        self._served = 0.0  # the figure of the client whose job the worker took last
 
     def __enter__(self) -> Runtime:
         self._thread.start()
@@ -93,16 +136,19 @@ class Runtime:
         return len(self._jobs)
 
     async def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-                  batch: Batch | tuple | None = None) -> Any:
+                  batch: Batch | tuple | None = None, client: Hashable = None) -> Any:
         """Run `fn(*args)` on the worker thread, or, with `batch`, possibly together with other jobs as
-        `batch.fn([args, ...])`; Busy if the queue is full, StepTimeout after `timeout`."""
+        `batch.fn([args, ...])`, in `client`'s fair turn; Busy if the queue is full, StepTimeout after
+        `timeout`."""
         batch = Batch(*batch) if batch is not None else None
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._ready:
             if len(self._jobs) >= self.max_queue:
                 raise Busy(f"compute queue is full ({self.max_queue} steps waiting); try another peer")
-            self._jobs.append(_Job(fn, args, future, loop, batch))
+            if not any(job.client == client for job in self._jobs):
+                self._used[client] = max(self._used.get(client, 0.0), self._served)
+            self._jobs.append(_Job(fn, args, future, loop, batch, client))
             self._ready.notify()
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
@@ -124,13 +170,36 @@ class Runtime:
                         return None
                     self._ready.wait()
                     continue
-                head = self._jobs.popleft()
+                head = self._next()
                 key = head.batch.key if head.batch is not None else None
                 if key is None:
                     return [head]
                 self._await_company(head, key)
                 if not head.future.cancelled():  # its caller may have given up while it waited
                     return self._gather(head, key)
+
+    def _next(self) -> _Job:
+        """Take the oldest queued job of the client that has used the least compute (lock held)."""
+        head, seen = None, set()
+        for job in self._jobs:
+            if job.client not in seen and not job.future.cancelled():
+                seen.add(job.client)
+                if head is None or self._used[job.client] < self._used[head.client]:
+                    head = job
+        self._jobs.remove(head)
+        self._served = max(self._served, self._used[head.client])
+        return head
+
+    def _charge(self, jobs: list[_Job], seconds: float) -> None:
+        """Count a call's time to the clients of its jobs, by rows; forget clients with nothing queued that
+        are not ahead of the others (they would start from `_served` anyway)."""
+        rows = sum(job.rows for job in jobs)
+        with self._ready:
+            for job in jobs:
+                self._used[job.client] = self._used.get(job.client, self._served) + seconds * job.rows / rows
+            queued = {job.client for job in self._jobs}
+            for client in [c for c, used in self._used.items() if used <= self._served and c not in queued]:
+                del self._used[client]
 
     def _await_company(self, head: _Job, key: Hashable) -> None:
         """Wait (lock held, released while waiting) for the owners of the key's last batch to queue a job
@@ -197,6 +266,7 @@ class Runtime:
                 self.batches_run += 1
                 self.batched_jobs += len(jobs)
             self.jobs_done += len(jobs)
+            self._charge(jobs, time.perf_counter() - started)
             if jobs[0].batch is not None and jobs[0].batch.key is not None:
                 self._last[jobs[0].batch.key] = (frozenset(j.batch.owner for j in jobs),
                                                  time.perf_counter() - started)

@@ -47,6 +47,7 @@ from swarm.transport import Node, describe_peer
 logger = logging.getLogger(__name__)
 
 CLAIM_SETTLE_S = 1.0  # after claiming a span: time for other claims to show before deciding to go on
+EARLY_ANNOUNCE_S = 1.0  # announcements brought forward by released cache are at least this far apart
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,8 @@ class Peer:
         self.servicer: Servicer | None = None
         self.announcer: Announcer | None = None
         self.draining: tuple[SpanBlocks, Span, float] | None = None  # old blocks, their span, drain deadline
+        self.released = asyncio.Event()  # sessions gave cache back since the loop last looked
+        self.announced = (0, -math.inf)  # cache tokens left in the last announcement, and when it was made
 
     @property
     def span(self) -> Span:
@@ -174,7 +177,7 @@ class Peer:
         n = len(self.announcer.span)  # the span announced: the claimed one while moving
         servicer = self.servicer
         return Figures(self.capacity.throughput(n), self.capacity.prefill_tps(n),
-                       servicer.sessions.tokens_left if servicer else 0,
+                       servicer.sessions.available(None, time.monotonic()) if servicer else 0,
                        len(servicer.sessions.sessions) if servicer else 0,
                        servicer.runtime.queued if servicer else 0, self.links.announced(), self.memory,
                        (self.precision.device_kind, self.precision.dtype, self.precision.quant))
@@ -182,7 +185,20 @@ class Peer:
     async def announce(self, state: str, **kw) -> None:
         if self.servicer is not None:
             self.servicer.served.throughput = self.capacity.throughput(len(self.span))
-        await self.announcer.announce(state, self.figures(), **kw)
+        figures = self.figures()
+        self.announced = (figures.cache_tokens_left, time.monotonic())
+        await self.announcer.announce(state, figures, **kw)
+
+    def _announce_due(self, due: float) -> float:
+        """When to announce next: `due`, or soon after sessions released a share of the cache since the last
+        announcement, so clients that read "no room" learn of the room within one announcement."""
+        if not self.released.is_set():
+            return due
+        self.released.clear()
+        sessions = self.servicer.sessions
+        if sessions.available(None, time.monotonic()) - self.announced[0] < max(1, sessions.token_share):
+            return due
+        return min(due, self.announced[1] + EARLY_ANNOUNCE_S)
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[PeerReady], None] | None) -> None:
         loop = asyncio.get_running_loop()
@@ -199,7 +215,8 @@ class Peer:
         await self.announce("joining")
         logger.info("peer %s loading blocks %s of %s", self.name, span, self.model_id)
         blocks = await loop.run_in_executor(None, self._load, span, None)
-        sessions = SessionTable(config.cache_tokens, config.max_sessions)
+        sessions = SessionTable(config.cache_tokens, config.max_sessions, config.client_share, config.reclaim_idle,
+                                self.released.set)
         served_info = Served(self.node.peer_id, self.model_id, span, __version__, self.capacity.throughput(len(span)),
                              self.capacity.prefill_tps(len(span)))
         with Runtime(config.max_queue) as runtime:
@@ -237,9 +254,12 @@ class Peer:
         next_check = now + min(config.check_interval, config.rebalance_interval)
         next_rebalance = now + jittered(config.rebalance_interval, self.rng)
         while not stop.is_set():
+            next_announce = self._announce_due(next_announce)
             wake = min(next_announce, next_check if self.movable else math.inf, self._drain_deadline())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, wake - time.monotonic()))
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.released.wait())]
+            await asyncio.wait(waits, timeout=max(0.0, wake - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
             if stop.is_set():
                 return
             now = time.monotonic()
@@ -315,7 +335,7 @@ class Peer:
             self.servicer.moving = True
             await self.announcer.announce("joining", self.figures(), keep=old_span, keep_state="offline")
             for session in self.servicer.sessions_on(old_blocks):
-                self.servicer.sessions.close(session.id)
+                self.servicer.sessions.close(session.id, f"was closed: this peer stopped serving blocks {old_span}")
             self.servicer.blocks = drain_blocks = None
         elif both > self.memory:
             # keep serving the overlap (shared, nothing read) while the rest of the new span loads
@@ -325,7 +345,7 @@ class Peer:
             kept = await loop.run_in_executor(None, self._load, overlap, old_blocks)  # nothing read
             self.servicer.activate(kept, overlap)
             for session in self.servicer.sessions_on(old_blocks):
-                self.servicer.sessions.close(session.id)
+                self.servicer.sessions.close(session.id, f"was closed: this peer stopped serving blocks {old_span}")
             self.announcer.claim(overlap)
             await self.announce("online", keep=old_span, keep_state="offline")
             self.announcer.claim(target)
@@ -356,8 +376,8 @@ class Peer:
         left = self.servicer.sessions_on(blocks)
         if left and now < deadline:
             return
-        for session in left:
-            self.servicer.sessions.close(session.id)  # its client fails over to the peers now serving it
+        for session in left:  # its client fails over to the peers now serving it
+            self.servicer.sessions.close(session.id, f"was closed: this peer stopped serving blocks {span}")
         logger.info("peer %s stopped serving blocks %s (%d sessions closed at the drain deadline)", self.name, span,
                     len(left))
         self.draining = None

@@ -19,11 +19,12 @@ from peer.compute import Compute
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.push import Pusher
-from peer.runtime import Runtime
+from peer.runtime import ClientSlots, Runtime
 from peer.sessions import Session, SessionTable
 from swarm import messages, wire
 from swarm.blocks import SpanBlocks
-from swarm.errors import BadRequest, NotServing, ProtocolError, SwarmError, UnknownSession
+from swarm.errors import BadRequest, Busy, NotServing, ProtocolError, SwarmError, UnknownSession
+from swarm.integrity import input_digest, tag_ok
 from swarm.precision import Precision
 from swarm.span import Span
 from swarm.transport import Stream, describe_peer
@@ -68,11 +69,12 @@ class Servicer:
         self.hidden_size = blocks.hidden_size  # the model's: the same whatever span is served, also mid-move
         self.errors: dict[str, int] = {}
         self.pusher: Pusher | None = None  # set by the server once its node runs
-        self.pushes = {"received": 0, "dropped": 0, "stale": 0, "rejected": 0}
+        self.pushes = {"received": 0, "dropped": 0, "stale": 0, "rejected": 0, "forged": 0}
         self._tasks: set[asyncio.Task] = set()  # pushed steps in progress
         self.capacity = None  # peer.capacity.Capacity, set by the server: follows the real decode steps
         self.moves = 0  # spans this peer moved to since it started
         self.moving = False  # loading a new span after dropping the old one: nothing new is accepted
+        self.forwards = ClientSlots(config.client_forwards, "forwards")  # per client, in compute or queued
 
     # ---- the served span ----
 
@@ -153,8 +155,7 @@ class Servicer:
     # ---- session protocol ----
 
     async def serve_session(self, stream: Stream) -> None:
-        session: Session | None = None
-        reclaimed = False  # the session went idle: its cache is freed, the next message learns why
+        session: Session | None = None  # once closed (idle, reclaimed, drained) the next message learns why
         lock = asyncio.Lock()  # replies come from this handler and from steps pushed into the session
 
         async def send(msg: wire.Message) -> bool:
@@ -166,19 +167,19 @@ class Servicer:
             if msg.type == wire.OPEN:
                 if session is not None:
                     raise BadRequest("a session is already open on this stream")
-                session = self._open(messages.Open.from_message(msg))
+                session = self._open(messages.Open.from_message(msg), stream.remote)
                 session.send = send
                 return messages.Opened(session.id, session.span.start, session.span.end, session.batch,
-                                   session.max_length, session.encodings, self.sessions.tokens_left,
+                                   session.max_length, session.encodings,
+                                   self.sessions.available(session.client, time.monotonic()),
                                    self.precision.dtype, self.precision.quant,
-                                   self.precision.device_kind).to_message()
+                                   self.precision.device_kind, session.push_key).to_message()
             if msg.type == wire.STEP:
                 if session is None:
                     raise UnknownSession("no session is open on this stream: send 'open' first")
-                if reclaimed:
-                    raise UnknownSession(f"session {session.id} was idle for more than "
-                                         f"{self.config.idle_timeout:.0f} s and its cache was reclaimed")
-                return await self._chained_step(self.sessions.get(session.id), messages.Step.from_message(msg))
+                if session.closed:
+                    raise UnknownSession(f"session {session.id} {session.why}; open a new one")
+                return await self._chained_step(session, messages.Step.from_message(msg))
             raise BadRequest(f"unexpected message {msg.type!r} in a session")
 
         # A read is never cancelled midway (that would tear a message): it waits while steps pushed by
@@ -189,17 +190,17 @@ class Servicer:
                 if read is None:
                     read = asyncio.ensure_future(wire.read_message(stream.reader, self.config.max_request_bytes))
                 wait = self.config.idle_timeout
-                if session is not None and not reclaimed:
+                if session is not None and not session.closed and not session.inflight:
                     wait = max(0.0, session.used_at + self.config.idle_timeout - time.monotonic())
                 done, _ = await asyncio.wait({read}, timeout=wait)
                 if not done:
-                    if session is None or reclaimed:
+                    if session is None or session.closed:
                         return  # silent twice over (or never opened): drop the stream
-                    if time.monotonic() - session.used_at < self.config.idle_timeout:
+                    if session.idle_for(time.monotonic()) < self.config.idle_timeout:
                         continue
                     logger.info("session %s idle for %.0f s: cache reclaimed", session.id, self.config.idle_timeout)
-                    self.sessions.close(session.id)
-                    reclaimed = True
+                    self.sessions.close(session.id, f"was idle for more than {self.config.idle_timeout:.0f} s and "
+                                        "its cache was reclaimed")
                     continue
                 finished, read = read, None
                 try:
@@ -239,7 +240,8 @@ class Servicer:
             return "disabled"
         first, rest = chain[0], chain[1:]
         # the output, in the step's encoding, and the step's attention mask if it had one
-        push = messages.Push(first.session, first.step, step.position, output.hidden, step.mask, rest or None)
+        push = messages.Push(first.session, first.step, first.tag, step.position, output.hidden, step.mask,
+                             rest or None)
         return await self.pusher.push(first.peer, push.to_message())
 
     # ---- push protocol: steps from the previous peer of a client's route ----
@@ -269,7 +271,7 @@ class Servicer:
                 self.pushes["rejected"] += 1
                 logger.info("peer %s pushed a malformed step: %s", describe_peer(stream.remote), e)
                 continue
-            session = self._pushable(push)
+            session = self._pushable(push, stream.remote)
             if session is None:
                 continue
             await slots.acquire()
@@ -278,14 +280,21 @@ class Servicer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _pushable(self, push: messages.Push) -> Session | None:
+    def _pushable(self, push: messages.Push, sender: str) -> Session | None:
         """The session a pushed step may run in, or None (counted) if it must be dropped: the session is not
-        open here, the step is not the session's next one (an old id, an id far ahead, a position other than
-        the end of what the session has run: a late duplicate or a forgery), or too many pushed steps wait."""
+        open here, the tag is not the one the client made for this step from `sender` (the pushing stream's
+        authenticated peer: any other peer's push is a forgery), the step is not the session's next one (an
+        old id, an id far ahead, a position other than the end of what the session has run: a late duplicate
+        or a forgery), or too many pushed steps wait."""
         sid, step, position = push.session, push.step, push.position
         session = self.sessions.sessions.get(sid)
         if session is None or session.closed or session.send is None:
             self.pushes["dropped"] += 1  # closed or reclaimed: the client's deadline makes it relay
+            return None
+        if not tag_ok(session.push_key, sid, step, sender, push.tag):
+            self.pushes["forged"] += 1
+            logger.info("peer %s pushed step %d of session %s with a wrong tag: dropped", describe_peer(sender), step,
+                        sid)
             return None
         if not session.last_step < step <= session.last_step + PUSH_STEP_WINDOW or position != session.end:
             self.pushes["stale"] += 1  # the client has already sent a later step itself, or a forgery
@@ -321,14 +330,16 @@ class Servicer:
         if await session.send(reply) and reply.type == wire.OUTPUT:
             self.metrics.step_replied(time.perf_counter() - received)
 
-    def _open(self, request: messages.Open) -> Session:
+    def _open(self, request: messages.Open, client: str = "") -> Session:
+        """A new session of `client` (the stream's authenticated peer), its cache committed as it grows."""
         span = self._check_target(request.model, request.start, request.end)
         if request.max_length > self.config.max_length:
             raise BadRequest(f"'max_length' must be an integer in [1, {self.config.max_length}], got "
                              f"{request.max_length}")
         if request.batch > self.config.max_batch:
             raise BadRequest(f"'batch' must be an integer in [1, {self.config.max_batch}], got {request.batch}")
-        session = self.sessions.open(span, request.batch, request.max_length, request.encodings, time.monotonic())
+        session = self.sessions.open(span, request.batch, request.max_length, request.encodings, time.monotonic(),
+                                     client)
         self.compute.open(session, request.batch, request.max_length, span)
         self.metrics.opened()
         logger.debug("opened session %s: blocks %s, batch %d, max length %d, %s on the wire", session.id, span,
@@ -340,16 +351,23 @@ class Servicer:
             raise BadRequest(f"'position' must be an integer in [0, {session.max_length - 1}], got {step.position}")
         self._check_hidden(step.hidden, session.encodings, session.batch)
         batch, tokens = step.hidden.shape[:2]
+        self.sessions.grow(session, step.position + tokens, time.monotonic())  # OutOfCache: the client fails over
         # one-token steps may share a forward with other sessions' (`Compute.batch`); longer ones run alone
         key = (id(session.blocks), session.span, step.hidden.encoding) if tokens == 1 else None
-        out, compute_ms, length, shared = await self.runtime.run(self.compute.step, session, step,
-                                                                 timeout=self.config.step_timeout,
-                                                                 batch=(key, self.compute.batch, session.id, batch))
+        session.inflight += 1
+        try:
+            out, compute_ms, length, shared = await self.runtime.run(
+                self.compute.step, session, step, timeout=self.config.step_timeout,
+                batch=(key, self.compute.batch, session.id, batch), client=session.client)
+        finally:
+            session.inflight -= 1
+            session.used_at = time.monotonic()
         session.steps += 1
         self.metrics.stepped(batch * tokens, compute_ms / 1e3)
         if self.capacity is not None and shared == 1 and batch == 1 and tokens == 1:
             self.capacity.observe(compute_ms, len(session.span))  # a batch-1 decode step: the announced speed
-        return messages.Output(out, compute_ms, step.step, step.position, length)
+        return messages.Output(out, compute_ms, step.step, step.position, length,
+                               input=input_digest(step.position, step.hidden, step.mask))
 
     # ---- stateless forward ----
 
@@ -361,12 +379,21 @@ class Servicer:
             batch, tokens = request.hidden.shape[:2]
             if tokens > self.config.max_length:
                 raise BadRequest(f"sequences of {tokens} tokens exceed the limit of {self.config.max_length}")
-            out, compute_ms = await self.runtime.run(self.compute.forward, span, request,
-                                                     timeout=self.config.step_timeout)
+            job, deadline = self.compute.forward(span, request), time.monotonic() + self.config.step_timeout
+            for part in range(len(job.parts)):  # one job per part: other clients' steps run in between
+                result = await self.runtime.run(job.run, part, timeout=max(0.0, deadline - time.monotonic()),
+                                                client=stream.remote)
+            out, compute_ms = result
             self.metrics.forwarded(batch * tokens, compute_ms / 1e3)
             return messages.Output(out, compute_ms).to_message()
 
-        await self._one_request(stream, handle)
+        # the request is read only in the client's turn: its other forwards' bytes wait on the network
+        try:
+            async with self.forwards.hold(stream.remote, self.config.step_timeout):
+                await self._one_request(stream, handle)
+        except Busy as e:
+            self._count(e)
+            await self._send(stream, messages.Error.of(e).to_message())
 
     # ---- info ----
 

@@ -31,7 +31,7 @@ from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionA
 
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.precision import Precision, module_bytes, quantize
-from swarm.errors import BadRequest, CheckpointError
+from swarm.errors import BadRequest
 from swarm.frame import LayerSlot, Plan, build
 from swarm.head import position_ids_for
 from swarm.span import Span

@@ -1,7 +1,8 @@
 """Typed errors of the swarm. Every error a user or a remote party can cause has a class here.
 
-Each class carries a stable `code` string: later, errors cross the wire as that code, so a client
-knows whether to reroute (busy, out of cache, not serving) or give up (bad request).
+Each class carries a stable `code` string (errors cross the wire as that code) and `retryable`: whether
+another peer may succeed where this one failed, because the request itself was fine (busy, out of
+cache, not serving, a lost connection: reroute) or not (a bad request: give up).
 """
 
 from __future__ import annotations
@@ -11,24 +12,29 @@ class SwarmError(Exception):
     """Base class of every error this project raises on purpose."""
 
     code = "internal"
+    retryable = True  # an internal error of one peer: another may not have it
+    remote = False  # received from another party (`error_from_code`), not raised here
 
 
 class BadRequest(SwarmError):
     """The input is malformed: wrong shape, dtype, position, size, or an unknown session."""
 
     code = "bad_request"
+    retryable = False
 
 
 class UnsupportedModel(SwarmError):
     """The checkpoint's architecture cannot be split into blocks by this software."""
 
     code = "unsupported_model"
+    retryable = False
 
 
 class CheckpointError(SwarmError):
     """The checkpoint on disk is missing files or tensors, or does not match its config."""
 
     code = "bad_checkpoint"
+    retryable = False
 
 
 class OutOfCache(SwarmError):
@@ -65,12 +71,14 @@ class ConfigError(SwarmError):
     """A command-line option or configuration value is invalid."""
 
     code = "bad_config"
+    retryable = False
 
 
 class SwarmUnreachable(SwarmError):
     """None of the initial peers answered: the swarm cannot be joined from here."""
 
     code = "unreachable"
+    retryable = False
 
 
 class ConnectionLost(SwarmError):
@@ -85,10 +93,30 @@ class ProtocolError(SwarmError):
     code = "protocol"
 
 
+class ChainMismatch(SwarmError):
+    """A hop computed on input other than the output the previous hop returned to the client: the push
+    between them was altered (or the previous hop lied to one of them). A failure of the previous hop."""
+
+    code = "chain_mismatch"
+
+
+class Rewound(SwarmError):
+    """A session's outputs from `position` on were found wrong (a lying peer, now replaced): the session was
+    rolled back there, and its caller goes on from `position` (the tokens after it are recomputed)."""
+
+    code = "rewound"
+    retryable = False
+
+    def __init__(self, message: str = "", position: int = 0):
+        super().__init__(message)
+        self.position = position
+
+
 class NoRoute(SwarmError):
     """Some blocks of the model have no live peer that can take the request; names the blocks."""
 
     code = "no_route"
+    retryable = False
 
     def __init__(self, message: str = "", missing: tuple[int, ...] = ()):
         super().__init__(message)
@@ -97,9 +125,13 @@ class NoRoute(SwarmError):
 
 ERROR_CLASSES = {cls.code: cls for cls in (SwarmError, BadRequest, UnsupportedModel, CheckpointError, OutOfCache,
                                            Busy, NotServing, UnknownSession, StepTimeout, ConnectionLost,
-                                           ProtocolError, ConfigError, SwarmUnreachable, NoRoute)}
+                                           ProtocolError, ConfigError, SwarmUnreachable, ChainMismatch,
+                                           Rewound, NoRoute)}
 
 
 def error_from_code(code: str, message: str) -> SwarmError:
-    """Rebuild a typed error received from a remote party; unknown codes become `SwarmError` (internal)."""
-    return ERROR_CLASSES.get(code, SwarmError)(message)
+    """Rebuild a typed error received from a remote party (`remote` is True on it); unknown codes become
+    `SwarmError` (internal)."""
+    err = ERROR_CLASSES.get(code, SwarmError)(message)
+    err.remote = True
+    return err

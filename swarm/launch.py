@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,11 +85,12 @@ class LocalSwarm:
         self.bootstrap_addrs: list[str] = []
         self.cgroups: list[Path] = []
 
-    def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None,
+               program: Sequence[str] = ("-m", "swarm.cli")) -> Proc:
         log = self.root / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_HOME": str(self.root / "home"), **(env or {})}
         with open(log, "wb") as out:
-            popen = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+            popen = subprocess.Popen([sys.executable, *program, *args], stdout=out, stderr=subprocess.STDOUT,
                                      env=env)
         proc = Proc(name, popen, log)
         self.procs[name] = proc
@@ -115,12 +116,13 @@ class LocalSwarm:
         return proc
 
     def start_peer(self, name: str, model: Path, *extra: str, wait: bool = True, timeout: float = 120,
-                   env: Mapping[str, str] | None = None) -> Proc:
-        """A peer process; `env`: variables added to its environment (e.g. `OMP_NUM_THREADS`)."""
+                   env: Mapping[str, str] | None = None, program: Sequence[str] = ("-m", "swarm.cli")) -> Proc:
+        """A peer process; `env`: variables added to its environment (e.g. `OMP_NUM_THREADS`); `program`: what
+        runs the command line (tests run altered peers this way)."""
         identity = self.root / f"{name}.key"
         peer_id = load_or_create(identity).peer_id
         proc = self._spawn(name, ["peer", "--model", str(model), "--initial-peers", *self.bootstrap_addrs,
-                                  "--identity", str(identity), *extra], env)
+                                  "--identity", str(identity), *extra], env, program)
         proc.peer_id = peer_id
         if wait:
             self.wait_serving(proc, timeout)

@@ -3,7 +3,7 @@
 Every message type of `swarm.wire` has a frozen dataclass here: `to_message()` builds the wire message,
 `from_message()` checks a received one and raises `BadRequest` (a typed error the sender gets back) for
 anything malformed; framing errors are `ProtocolError`s from `wire.read_message` before that. Hidden
-states travel in one of `ENCODINGS` (`Hidden`).
+states travel in one of `ENCODINGS` (`swarm.hidden.Hidden`, re-exported here).
 """
 
 from __future__ import annotations
@@ -13,124 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.errors import BadRequest, SwarmError
-from swarm.wire import (Blob, Message, blob_of, tensor_of, DTYPE_SIZES, MAX_CHAIN, OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH)
-
-
-# ---- hidden states as they travel: one encoding per tensor set ----
-#
-# float32/float16/bfloat16: the values cast to that dtype (one tensor). int8: blockwise 8-bit, two tensors:
-# int8 values [batch, tokens, hidden] and, per block of `int8_block(hidden)` values along the hidden
-# dimension, an int8 exponent e [batch, tokens, hidden / block]; a value is q * 2**e. The scale is the
-# power of two at or above the block's largest magnitude / 127, so decoding is exact arithmetic and
-# encoding what was decoded gives the same bytes again (`encode(decode(x)) == x`): a client that keeps
-# what it sent, decoded, replays exactly the bytes a peer was first given.
-
-FLOAT_ENCODINGS = ("float32", "float16", "bfloat16")
-ENCODINGS = FLOAT_ENCODINGS + ("int8",)
-INT8_BLOCK = 32  # values sharing one exponent (fewer when the hidden size is not a multiple of it)
-MAX_EXPONENT = 121  # 127 * 2**121 < float32's largest: a decoded value is always finite
-
-
-def int8_block(hidden: int) -> int:
-    return next(b for b in (INT8_BLOCK, 16, 8, 4, 2, 1) if hidden % b == 0)
-
-
-def encoding_bytes(encoding: str, hidden: int) -> float:
-    """Bytes per hidden vector of `hidden` values in `encoding`."""
-    if encoding == "int8":
-        return hidden + hidden / int8_block(hidden)
-    return hidden * DTYPE_SIZES[encoding]
-
-
-def _check_encoding(encoding: Any) -> str:
-    if encoding not in ENCODINGS:
-        raise BadRequest(f"encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
-    return encoding
-
-
-@dataclass(frozen=True)
-class Hidden:
-    """Hidden states [batch, tokens, hidden] in one encoding, as they travel."""
-
-    encoding: str
-    blobs: tuple[Blob, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.blobs[0].shape
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blobs)
-
-    @classmethod
-    def encode(cls, tensor, encoding: str) -> Hidden:
-        import torch
-
-        _check_encoding(encoding)
-        if tensor.ndim != 3:
-            raise ValueError(f"hidden states travel as [batch, tokens, hidden], not {list(tensor.shape)}")
-        if encoding in FLOAT_ENCODINGS:
-            return cls(encoding, (blob_of(tensor.to(getattr(torch, encoding))),))
-        x = tensor.detach().cpu().float()
-        batch, tokens, hidden = x.shape
-        block = int8_block(hidden)
-        x = x.reshape(batch, tokens, hidden // block, block)
-        mantissa, exponent = torch.frexp(x.abs().amax(-1) / 127)  # v = m * 2**e, m in [0.5, 1)
-        exponent = (exponent - (mantissa == 0.5).int()).clamp(-128, MAX_EXPONENT)  # ceil(log2 v); v = 0: 2**0
-        q = torch.round(torch.ldexp(x, -exponent[..., None].float())).clamp(-127, 127)
-        return cls("int8", (blob_of(q.to(torch.int8).reshape(batch, tokens, hidden)),
-                            blob_of(exponent.to(torch.int8))))
-
-    def decode(self):
-        """The values (float32 for int8): exactly what the sender's `round_trip` gave."""
-        import torch
-
-        if self.encoding in FLOAT_ENCODINGS:
-            return tensor_of(self.blobs[0])
-        q, exponent = tensor_of(self.blobs[0]), tensor_of(self.blobs[1])
-        if exponent.numel() and int(exponent.max()) > MAX_EXPONENT:
-            raise BadRequest(f"int8 exponents above {MAX_EXPONENT} would overflow")
-        batch, tokens, hidden = q.shape
-        blocks = exponent.shape[2]
-        x = torch.ldexp(q.float().reshape(batch, tokens, blocks, hidden // blocks), exponent[..., None].float())
-        return x.reshape(batch, tokens, hidden)
-
-    @classmethod
-    def take(cls, encoding: Any, blobs: tuple[Blob, ...]) -> tuple[Hidden, tuple[Blob, ...]]:
-        """The hidden states at the front of a message's tensors, checked; and the tensors after them."""
-        encoding = _check_encoding(encoding)
-        count = 2 if encoding == "int8" else 1
-        if len(blobs) < count:
-            raise BadRequest(f"{encoding} hidden states need {count} tensors, got {len(blobs)}")
-        own = blobs[:count]
-        if len(own[0].shape) != 3:
-            raise BadRequest(f"hidden states must be [batch, tokens, hidden], got {list(own[0].shape)}")
-        if encoding in FLOAT_ENCODINGS:
-            if own[0].dtype != encoding:
-                raise BadRequest(f"hidden states said to be {encoding} are {own[0].dtype}")
-        else:
-            (values, exps), shape = own, own[0].shape
-            if values.dtype != "int8" or exps.dtype != "int8" or len(exps.shape) != 3 \
-                    or exps.shape[:2] != shape[:2] or exps.shape[2] != shape[2] // int8_block(shape[2]):
-                raise BadRequest(f"int8 hidden states need int8 values {list(shape)} and int8 exponents "
-                                 f"{list(shape[:2]) + [shape[2] // max(1, int8_block(shape[2]))]}, got "
-                                 f"{values.dtype}{list(values.shape)} and {exps.dtype}{list(exps.shape)}")
-        return cls(encoding, own), blobs[count:]
-
-
-def round_trip(tensor, encoding: str):
-    """What a receiver decodes of `tensor` sent in `encoding` (for a float encoding, the cast: no bytes made)."""
-    import torch
-
-    if encoding in FLOAT_ENCODINGS:
-        return tensor.detach().to("cpu", getattr(torch, encoding))
-    return Hidden.encode(tensor, encoding).decode()
+from swarm.hidden import ENCODINGS, Hidden, _check_encoding
+from swarm.integrity import DIGEST_CHARS, KEY_CHARS, TAG_CHARS
+from swarm.wire import Blob, Message, MAX_CHAIN, OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH
 
 
 # ---- typed messages: what each message holds, built and checked in one place ----
 
 MAX_ID_CHARS = 128
+HEX = frozenset("0123456789abcdef")
 BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
@@ -161,6 +52,15 @@ def _str(fields: dict[str, Any], name: str, limit: int = 256, default: Any = ...
     return value
 
 
+def _hex(fields: dict[str, Any], name: str, chars: int, default: Any = ...) -> Any:
+    value = fields.get(name, default)
+    if value is default and default is not ...:
+        return value
+    if not (isinstance(value, str) and len(value) == chars and set(value) <= HEX):
+        raise BadRequest(f"'{name}' must be {chars} lowercase hex characters, got {str(value)[:80]!r}")
+    return value
+
+
 def _encodings(fields: dict[str, Any], name: str) -> tuple[str, ...]:
     value = fields.get(name)
     if not isinstance(value, list) or not 1 <= len(value) <= len(ENCODINGS) or len(set(map(str, value))) != len(value):
@@ -186,11 +86,13 @@ def _check_type(msg: Message, cls) -> None:
 
 @dataclass(frozen=True)
 class ChainHop:
-    """A later hop of a chained step: the peer, the client's session there, the step id to use."""
+    """A later hop of a chained step: the peer, the client's session there, the step id to use, and the tag
+    that lets the hop before it push this step (`swarm.integrity.push_tag`)."""
 
     peer: str
     session: str
     step: int
+    tag: str
 
     @classmethod
     def parse_all(cls, value: Any) -> tuple[ChainHop, ...] | None:
@@ -200,21 +102,23 @@ class ChainHop:
             raise BadRequest(f"'next' must be a list of 1-{MAX_CHAIN} hops")
         hops = []
         for hop in value:
-            if not isinstance(hop, dict) or set(hop) != {"peer", "session", "step"}:
-                raise BadRequest("each hop of 'next' must be an object with exactly 'peer', 'session' and 'step'")
-            peer, session, step = hop["peer"], hop["session"], hop["step"]
+            if not isinstance(hop, dict) or set(hop) != {"peer", "session", "step", "tag"}:
+                raise BadRequest("each hop of 'next' must be an object with exactly 'peer', 'session', 'step' "
+                                 "and 'tag'")
+            peer, session, step, tag = hop["peer"], hop["session"], hop["step"], hop["tag"]
             if not (isinstance(peer, str) and 0 < len(peer) <= MAX_ID_CHARS and set(peer) <= BASE58):
                 raise BadRequest(f"'next' names an invalid peer id {str(peer)[:80]!r}")
             if not (isinstance(session, str) and 0 < len(session) <= MAX_ID_CHARS):
                 raise BadRequest("'next' names an invalid session id")
             if type(step) is not int or not 0 <= step <= 2**62:
                 raise BadRequest(f"'next' step ids must be integers in [0, 2**62], got {step!r}")
-            hops.append(cls(peer, session, step))
+            hops.append(cls(peer, session, step, _hex({"tag": tag}, "tag", TAG_CHARS)))
         return tuple(hops)
 
 
 def _chain_fields(chain: tuple[ChainHop, ...] | None) -> dict[str, Any]:
-    return {} if not chain else {"next": [{"peer": h.peer, "session": h.session, "step": h.step} for h in chain]}
+    return {} if not chain else {"next": [{"peer": h.peer, "session": h.session, "step": h.step, "tag": h.tag}
+                                         for h in chain]}
 
 
 @dataclass(frozen=True)
@@ -257,12 +161,13 @@ class Opened:
     dtype: str = "float32"
     quant: str = "none"
     device: str = "cpu"
+    push_key: str = ""  # the session's secret for push tags (`swarm.integrity`)
 
     def to_message(self) -> Message:
         return Message(OPENED, {"session": self.session, "start": self.start, "end": self.end, "batch": self.batch,
                                 "max_length": self.max_length, "encodings": list(self.encodings),
                                 "cache_tokens_left": self.cache_tokens_left, "dtype": self.dtype,
-                                "quant": self.quant, "device": self.device})
+                                "quant": self.quant, "device": self.device, "push_key": self.push_key})
 
     @classmethod
     def from_message(cls, msg: Message) -> Opened:
@@ -272,7 +177,7 @@ class Opened:
         return cls(_str(f, "session", MAX_ID_CHARS), start, _int(f, "end", start + 1, 2**20), _int(f, "batch", 1, 2**20),
                    _int(f, "max_length", 1, 2**31), _encodings(f, "encodings"),
                    _int(f, "cache_tokens_left", 0, 2**62), _str(f, "dtype", 16, "float32"),
-                   _str(f, "quant", 16, "none"), _str(f, "device", 16, "cpu"))
+                   _str(f, "quant", 16, "none"), _str(f, "device", 16, "cpu"), _hex(f, "push_key", KEY_CHARS))
 
 
 @dataclass(frozen=True)
@@ -306,21 +211,23 @@ class Push:
     TYPE = PUSH
     session: str
     step: int
+    tag: str
     position: int
     hidden: Hidden
     mask: Blob | None = None
     next: tuple[ChainHop, ...] | None = None
 
     def to_message(self) -> Message:
-        step = self.as_step().to_message()  # a step's fields and tensors, and the session it goes to
-        return Message(PUSH, {"session": self.session, **step.fields}, step.tensors)
+        step = self.as_step().to_message()  # a step's fields and tensors, the session it goes to, the tag
+        return Message(PUSH, {"session": self.session, "tag": self.tag, **step.fields}, step.tensors)
 
     @classmethod
     def from_message(cls, msg: Message) -> Push:
         _check_type(msg, cls)
-        step = Step.from_message(Message(STEP, msg.fields, msg.tensors))
-        return cls(_str(msg.fields, "session", MAX_ID_CHARS), step.step, step.position, step.hidden, step.mask,
-                   step.next)
+        fields = {k: v for k, v in msg.fields.items() if k not in ("session", "tag")}
+        step = Step.from_message(Message(STEP, fields, msg.tensors))
+        return cls(_str(msg.fields, "session", MAX_ID_CHARS), step.step, _hex(msg.fields, "tag", TAG_CHARS),
+                   step.position, step.hidden, step.mask, step.next)
 
     def as_step(self) -> Step:
         return Step(self.step, self.position, self.hidden, self.mask, self.next)
@@ -338,10 +245,11 @@ class Output:
     length: int | None = None
     pushed: bool | None = None  # chained steps only: whether the output left for the next peer
     push_error: str | None = None
+    input: str | None = None  # session steps only: the digest of what it computed on (`swarm.integrity`)
 
     def to_message(self) -> Message:
         fields = {"encoding": self.hidden.encoding, "compute_ms": round(self.compute_ms, 3)}
-        for name in ("step", "position", "length", "pushed", "push_error"):
+        for name in ("step", "position", "length", "pushed", "push_error", "input"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         return Message(OUTPUT, fields, self.hidden.blobs)
@@ -358,7 +266,7 @@ class Output:
             raise BadRequest(f"'pushed' must be true or false, got {pushed!r}")
         return cls(hidden, _num(f, "compute_ms", 0.0), _int(f, "step", 0, 2**62, None),
                    _int(f, "position", 0, 2**31, None), _int(f, "length", 0, 2**31, None), pushed,
-                   _str(f, "push_error", 256, None))
+                   _str(f, "push_error", 256, None), _hex(f, "input", DIGEST_CHARS, None))
 
 
 @dataclass(frozen=True)

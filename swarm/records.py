@@ -21,7 +21,7 @@ Invariants (checked by `verify` on store and on read, by every node of our swarm
 - the expiration is not beyond `now + MAX_TTL` and not already past;
 - the whole value fits in `MAX_VALUE_BYTES`;
 - per (key, subkey), sequence numbers only grow (`SequenceGuard`): an older record, or a different
-  record with the same number, is refused.
+  record with the same number, is refused while the newer one lives; records of other subkeys never are.
 """
 
 from __future__ import annotations
@@ -271,8 +271,14 @@ def verify(key_id: bytes, subkey: object, value: bytes, expiration: float, now: 
 class SequenceGuard:
     """Remembers the newest sequence number seen per (key, subkey) so that replays are refused.
 
-    Bounded: entries whose record has expired are dropped, and past `max_entries` the entries expiring
-    soonest go first.
+    What it refuses is bounded in scope and in time, so that it cannot lock a reader out of honest records:
+    - only records of the same (key, subkey) as a newer one it admitted, and a newer one of a subkey must
+      be signed by that subkey's peer (`verify` runs first): nobody can make it refuse another peer's records;
+    - only while that newer record is alive: until its expiration (as it was signed, but never counted
+      beyond `MAX_TTL` after it was admitted) plus `CLOCK_SKEW`, the time `verify` itself accepts it.
+
+    Bounded in memory: entries whose record has expired are dropped, and past `max_entries` the entries
+    expiring soonest go first.
     """
 
     def __init__(self, max_entries: int = 100_000):
@@ -282,6 +288,7 @@ class SequenceGuard:
     def admit(self, key_id: bytes, subkey: str, seq: int, value: bytes, expiration: float, now: float) -> None:
         entry = (key_id, subkey)
         digest = hashlib.sha256(value + struct.pack(">d", expiration)).digest()
+        expiration = min(expiration, now + MAX_TTL)
         known = self._seen.get(entry)
         if known is not None and known[2] >= now - CLOCK_SKEW:
             if seq < known[0]:

@@ -8,7 +8,15 @@ Invariants:
 - The daemon's identity is our Ed25519 key (`swarm.identity`), so the peer id libp2p authenticates
   on every stream is the id that signs our records.
 - Every record stored or read by this node passes `records.verify` and a per-node `SequenceGuard`;
-  a record failing either is dropped as if it did not exist.
+  a record failing either is dropped as if it did not exist, alone: the other entries of the same
+  DHT value (other peers' records under that key) are kept. hivemind's validator API is per record,
+  but its protocol refuses a whole dictionary value (a node's reply to a read, or a value replicated
+  to us) when one entry fails (`DHTProtocol._validate_dictionary`). Our node's protocol validates
+  such a value entry by entry instead (`_validate_entries`), so a record that only one reader refuses
+  (an older one of the same peer after that reader saw a newer one, or one skewed clocks put out of
+  range) costs that reader that one peer's record, never the rest of the reply. We filter there, and
+  not after a raw read, because hivemind merges the replies per subkey by latest expiration: a bad
+  entry let through to the merge could displace a good one of the same subkey.
 - The daemon never outlives this process: clean exit shuts it down; any other death of this
   process is caught by a reaper process holding a pipe from us (`swarm.reaper`).
 - hivemind's package `__init__` imports torch; DHT-only processes (the bootstrap) must not. We load
@@ -58,11 +66,12 @@ def _load_hivemind() -> types.SimpleNamespace:
         utils.MSGPackSerializer, utils.SerializerBase = serializer.MSGPackSerializer, serializer.SerializerBase
     from hivemind.dht.node import DHTNode
     from hivemind.dht.routing import DHTID
-    from hivemind.dht.validation import RecordValidatorBase
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
     from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
     from hivemind.utils.serializer import MSGPackSerializer
 
-    return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, RecordValidatorBase=RecordValidatorBase, P2P=P2P,
+    return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, DHTRecord=DHTRecord,
+                                 RecordValidatorBase=RecordValidatorBase, P2P=P2P,
                                  P2PDaemonError=P2PDaemonError,
                                  P2PHandlerError=P2PHandlerError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
 
@@ -104,6 +113,18 @@ def _make_validator(counters: dict[str, int]):
             return True
 
     return AnnouncementValidator()
+
+
+def _validate_entries(protocol, key: bytes, dictionary) -> bool:
+    """hivemind's `DHTProtocol._validate_dictionary`, entry by entry: removes from `dictionary` each
+    entry the protocol's validator refuses and keeps the rest; False only if it refused every entry."""
+    with dictionary.freeze():
+        refused = [subkey for subkey, (value, expiration) in dictionary.items()
+                   if not protocol.record_validator.validate(
+                       _hm().DHTRecord(key, protocol.serializer.dumps(subkey), value, expiration))]
+    for subkey in refused:
+        del dictionary[subkey]
+    return bool(dictionary) or not refused
 
 
 @dataclass
@@ -186,6 +207,7 @@ class Node:
             except RuntimeError as e:  # hivemind's way of saying no initial peer answered
                 raise SwarmUnreachable(f"none of the initial peers answered ({e}); is the bootstrap node running "
                                        f"and reachable at {', '.join(self.initial_peers)}?") from None
+            self._dht.protocol._validate_dictionary = functools.partial(_validate_entries, self._dht.protocol)
         except BaseException:
             await self._stop()
             raise

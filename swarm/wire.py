@@ -26,10 +26,10 @@ from typing import Any
 
 from swarm.errors import ProtocolError
 
-SESSION_PROTOCOL = "/swarm/session/2.0.0"  # long-lived: open, then steps, then close
+SESSION_PROTOCOL = "/swarm/session/3.0.0"  # long-lived: open, then steps, then close
 FORWARD_PROTOCOL = "/swarm/forward/2.0.0"  # one stateless forward of whole sequences
 INFO_PROTOCOL = "/swarm/info/1.0.0"  # what the peer serves and how loaded it is
-PUSH_PROTOCOL = "/swarm/push/2.0.0"  # peer -> next peer of a route: a chained step's input, no reply
+PUSH_PROTOCOL = "/swarm/push/3.0.0"  # peer -> next peer of a route: a chained step's input, no reply
 
 MAX_FRAME_BYTES = 4 * 2**20  # the transport caps one message at 4 MiB: bigger tensors are split
 MAX_HEADER_BYTES = 64 * 2**10  # headers are small JSON; anything bigger is an attack or a bug

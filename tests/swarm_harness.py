@@ -7,8 +7,8 @@ import time
 
 from swarm.launch import LocalSwarm, Proc, pid_alive, wait_until
 
-__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "Fault", "MODEL_ID", "CACHE_TOKENS",
-           "IDLE_TIMEOUT", "MAX_SESSIONS", "PEER_OPTIONS"]
+__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "start_split", "Fault", "MODEL_ID",
+           "CACHE_TOKENS", "IDLE_TIMEOUT", "MAX_SESSIONS", "PEER_OPTIONS"]
 
 
 @contextlib.contextmanager
@@ -31,6 +31,15 @@ IDLE_TIMEOUT = 4
 MAX_SESSIONS = 32
 PEER_OPTIONS = ("--model-id", MODEL_ID, "--cache-tokens", str(CACHE_TOKENS), "--announce-interval", "2",
                 "--record-ttl", "8", "--idle-timeout", str(IDLE_TIMEOUT), "--max-sessions", str(MAX_SESSIONS))
+
+
+def start_split(net: LocalSwarm, model, spans=(("head-span", "0:3"), ("tail", "3:6"))) -> None:
+    """A bootstrap and one peer per (name, blocks) of `spans`, started together; returns once all serve."""
+    net.start_bootstrap()
+    for name, blocks in spans:
+        net.start_peer(name, model, "--blocks", blocks, *PEER_OPTIONS, wait=False)
+    for name, _ in spans:
+        net.wait_serving(net.procs[name])
 
 
 class Fault:

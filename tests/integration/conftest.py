@@ -24,6 +24,14 @@ def two_block_budget(checkpoint) -> int:
 
 
 @pytest.fixture(scope="session")
+def local(tiny_llama):
+    """The tiny llama run by transformers in this process: the ground truth."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def swarm(tmp_path_factory, tiny_llama):
     """Bootstrap, then three peers started one after another with no --blocks."""
     net = LocalSwarm(tmp_path_factory.mktemp("swarm"))

@@ -9,13 +9,13 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from client import peer_client
 from client.model import DistributedModelForCausalLM
 from swarm import messages, wire
 from swarm.errors import BadRequest
 from swarm.identity import Identity
+from swarm.integrity import push_tag
 from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node
 
@@ -36,11 +36,6 @@ def chain_swarm(tmp_path_factory, tiny_llama):
         yield net
     finally:
         net.stop_all()
-
-
-@pytest.fixture(scope="module")
-def local(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 def logits_of(model, steps: int = DECODE) -> tuple[torch.Tensor, dict]:
@@ -98,13 +93,13 @@ def test_a_push_that_cannot_leave_is_reported_and_the_session_goes_on(probe, loo
         session = await peer_client.PeerSession.open(node, peer, MODEL_ID, Span(0, 2), max_length=16)
         try:
             x = torch.randn(1, 1, 64)
-            nowhere = [{"peer": Identity.generate().peer_id, "session": "s0-nothing", "step": 0}]
+            nowhere = [{"peer": Identity.generate().peer_id, "session": "s0-nothing", "step": 0, "tag": "00" * 16}]
             step = await session.send(x, 0, chain=[messages.ChainHop(**nowhere[0])])
             out = await session.receive(step, tuple(x.shape), 10)
             assert session.pushed is False
             torch.testing.assert_close(out, await session.step(x, 0))  # same output, no harm done
-            for bad in ([{"peer": "not a peer id!", "session": "s", "step": 1}],  # not base58
-                        [{"peer": peer, "session": "s", "step": 1}],  # this peer itself: a loop
+            for bad in ([dict(nowhere[0], peer="not a peer id!", step=1)],  # not base58
+                        [dict(nowhere[0], peer=peer, step=1)],  # this peer itself: a loop
                         [dict(nowhere[0], step=1), dict(nowhere[0], step=2)]):  # one peer twice
                 with pytest.raises(BadRequest, match="'next'"):  # as a client that builds its own messages sends it
                     step = session.reserve()
@@ -120,17 +115,20 @@ def test_a_push_that_cannot_leave_is_reported_and_the_session_goes_on(probe, loo
 
 
 def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(probe, loop):
-    """A push of the session's next step is answered on the session's own stream. Dropped without a trace:
-    an unknown session id, an old step id, an id far ahead, a position other than the session's end (a
-    rollback), and the second of two pushes with one id. The client's own steps go on regardless."""
+    """A push of the session's next step, tagged by the client for the pushing peer, is answered on the
+    session's own stream. Dropped without a trace: an unknown session id, a tag made for another sender or
+    another step, an old step id, an id far ahead, a position other than the session's end (a rollback),
+    and the second of two pushes with one id. The client's own steps go on regardless."""
     node, peer = probe
 
     async def scenario():
         session = await peer_client.PeerSession.open(node, peer, MODEL_ID, Span(0, 2), max_length=16)
         push = await node.open(peer, wire.PUSH_PROTOCOL)
 
-        async def send(fields, x):
-            await wire.write_message(push.writer, wire.Message(wire.PUSH, {**fields, "encoding": "float32"},
+        async def send(fields, x, sender=node.peer_id, tag_step=None):
+            tag = push_tag(session.opened.push_key, fields["session"], fields["step"] if tag_step is None else tag_step,
+                           sender)
+            await wire.write_message(push.writer, wire.Message(wire.PUSH, {**fields, "encoding": "float32", "tag": tag},
                                                                (wire.blob_of(x),)))
 
         try:
@@ -141,6 +139,8 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
             await send({"session": sid[:-4] + "0000", "step": ids[1], "position": 3}, x1)  # unknown session
             await send({"session": sid, "step": ids[1] + 10**6, "position": 3}, x1)  # far ahead
             await send({"session": sid, "step": ids[1], "position": 0}, x1)  # a rollback
+            await send({"session": sid, "step": ids[1], "position": 3}, x1, sender=peer)  # tagged for another sender
+            await send({"session": sid, "step": ids[1], "position": 3}, x1, tag_step=ids[0])  # for another step
             await send({"session": sid, "step": ids[1], "position": 3}, x1)  # the real next step
             await send({"session": sid, "step": ids[0], "position": 4}, x2)  # an older id
             pushed = await session.receive(ids[1], tuple(x1.shape), 10)
@@ -155,3 +155,4 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
 
     info = loop.run(scenario(), timeout=60)
     assert info.pushes["received"] >= 1 and info.pushes["stale"] >= 3 and info.pushes["dropped"] >= 1
+    assert info.pushes["forged"] == 2

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from swarm.errors import BadRequest
@@ -21,11 +20,6 @@ def remote(swarm, tiny_llama):
     model = DistributedModelForCausalLM.from_pretrained(tiny_llama, swarm.bootstrap_addrs, model_id=MODEL_ID)
     yield model
     model.close()
-
-
-@pytest.fixture(scope="module")
-def local(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 64, 200, 11]])

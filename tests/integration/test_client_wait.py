@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from swarm.errors import NoRoute
-from swarm_harness import Fault, LocalSwarm, MODEL_ID, PEER_OPTIONS
+from swarm_harness import Fault, LocalSwarm, MODEL_ID, PEER_OPTIONS, start_split
 
 pytestmark = pytest.mark.integration
 
@@ -39,11 +39,7 @@ WAITING = r"waiting up to {} s for blocks \[3:6\) of tiny-llama to be served aga
 def gap_swarm(tmp_path_factory, tiny_llama):
     net = LocalSwarm(tmp_path_factory.mktemp("wait"))
     try:
-        net.start_bootstrap()
-        net.start_peer("head-span", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, wait=False)
-        net.start_peer("tail", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
-        for name in ("head-span", "tail"):
-            net.wait_serving(net.procs[name])
+        start_split(net, tiny_llama)
         yield net
     finally:
         for proc in net.procs.values():  # a test that failed half-way may leave a peer stopped

@@ -30,7 +30,9 @@ def test_sessions_reserve_and_release_cache():
     table = SessionTable(cache_tokens=1000, max_sessions=8)
     a = table.open(SPAN, 2, 100, "float32", now=0.0)
     b = table.open(SPAN, 1, 300, "float32", now=0.0)
-    assert (a.reserved, b.reserved, table.reserved, table.tokens_left) == (200, 300, 500, 500)
+    assert (a.reserved, b.reserved, table.reserved, table.tokens_left) == (200, 128, 328, 672)  # a chunk at open
+    table.grow(b, 300, now=0.0)
+    assert (b.reserved, table.reserved, table.tokens_left) == (300, 500, 500)
     assert a.id != b.id and table.get(a.id) is a
     table.close(a.id)
     assert (table.reserved, table.tokens_left) == (300, 700)
@@ -42,13 +44,17 @@ def test_sessions_reserve_and_release_cache():
 
 def test_session_larger_than_the_free_cache_fails_at_once():
     table = SessionTable(cache_tokens=1000, max_sessions=8)
-    table.open(SPAN, 1, 600, "float32", now=0.0)
-    with pytest.raises(OutOfCache, match="401 cache tokens .batch 1 x length 401., 400 of 1000 are free"):
-        table.open(SPAN, 1, 401, "float32", now=0.0)
-    with pytest.raises(OutOfCache):
-        table.open(SPAN, 4, 101, "float32", now=0.0)
-    assert (len(table.sessions), table.tokens_left) == (1, 400)
-    table.open(SPAN, 4, 100, "float32", now=0.0)  # exactly what is free
+    big = table.open(SPAN, 1, 601, "float32", now=0.0)
+    table.grow(big, 601, now=0.0)
+    with pytest.raises(OutOfCache, match="batch 1 x length 1001 needs more than this peer's whole cache"):
+        table.open(SPAN, 1, 1001, "float32", now=0.0)
+    late = table.open(SPAN, 1, 400, "float32", now=0.0)
+    with pytest.raises(OutOfCache, match="272 more cache tokens needed, 271 of 1000 are free"):
+        table.grow(late, 400, now=0.0)
+    assert (len(table.sessions), table.tokens_left, late.reserved) == (2, 271, 128)
+    table.close(big.id)
+    table.grow(late, 400, now=0.0)
+    table.grow(table.open(SPAN, 1, 600, "float32", now=0.0), 600, now=0.0)  # exactly what is free
     assert table.tokens_left == 0
 
 

@@ -16,22 +16,24 @@ def parse_chain(value, own_id: str):
     return check_chain(ChainHop.parse_all(value), own_id)
 
 ME, A, B = (Identity.generate().peer_id for _ in range(3))
+TAG = "7e" * 16
 
 
 def hop(peer: str, step: int = 1, session: str = "s1-abc") -> dict:
-    return {"peer": peer, "session": session, "step": step}
+    return {"peer": peer, "session": session, "step": step, "tag": TAG}
 
 
 def test_a_valid_chain_is_returned_as_given():
     assert parse_chain(None, ME) is None
-    assert parse_chain([hop(A, 3), hop(B, 7)], ME) == (ChainHop(A, "s1-abc", 3), ChainHop(B, "s1-abc", 7))
+    assert parse_chain([hop(A, 3), hop(B, 7)], ME) == (ChainHop(A, "s1-abc", 3, TAG), ChainHop(B, "s1-abc", 7, TAG))
 
 
 @pytest.mark.parametrize("value, match", [
     ([], "list of 1-64"),
     ("x", "list of 1-64"),
     ([hop(A)] * 65, "list of 1-64"),
-    ([{"peer": A, "session": "s", "step": 1, "extra": 1}], "exactly"),
+    ([{"peer": A, "session": "s", "step": 1, "tag": TAG, "extra": 1}], "exactly"),
+    ([hop(A) | {"tag": "7E" * 16}], "lowercase hex"),
     ([hop("12D3KooW0OIl")], "invalid peer id"),  # 0, O, I and l are not base58
     ([hop("12D3KooWé")], "invalid peer id"),
     ([hop("")], "invalid peer id"),

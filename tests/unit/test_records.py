@@ -443,6 +443,16 @@ def test_guard_forgets_expired_records():
         guard.admit(KEY0, "peer", 0, b"y", later + 60, later)
 
 
+def test_guard_refuses_for_no_longer_than_a_record_can_live():
+    guard = SequenceGuard()
+    guard.admit(KEY0, "peer", 5, b"a", NOW + 100 * MAX_TTL, NOW)  # an expiration `verify` would have refused
+    with pytest.raises(RecordRejected, match="older"):
+        guard.admit(KEY0, "peer", 4, b"b", NOW + 60, NOW + MAX_TTL)
+    later = NOW + MAX_TTL + CLOCK_SKEW + 1
+    guard.admit(KEY0, "peer", 4, b"b", later + 60, later)
+    guard.admit(KEY0, "other", 1, b"c", later + 60, later)
+
+
 def test_guard_stays_bounded_and_keeps_the_latest_expiring():
     guard = SequenceGuard(max_entries=3)
     for i in range(10):

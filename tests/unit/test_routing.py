@@ -1,17 +1,26 @@
-"""Routing: the cheapest chain of peers over a synthetic swarm view, bans, cache room, load, links between
-peers, random ties, the bounded wait for blocks, the re-route check, and the slow-peer detector."""
+"""Routing: the cheapest chain of peers over a synthetic swarm view, bans, cache room, claims believed only
+as far as measured (and `SwarmClient.route` against floods of record-only identities, without sockets),
+load, links between peers, random ties, the bounded wait for blocks, the re-route check, and the slow-peer
+detector."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import Counter
 
 import pytest
 
-from client.routing import (LOAD_WEIGHT, UNMEASURED_DELAY_MS, Bans, BlockWait, Hop, Measurements, Offer, find_route,
-                            ranges_text, route_cost_ms, slower_than_assumed, worth_switching)
+from client.routing import (CLAIM_CAP, LOAD_WEIGHT, UNKNOWN_BLOCK_MS, UNMEASURED_DELAY_MS, Bans, BlockWait, Hop,
+                            Measurements, Offer, find_route, ranges_text, route_cost_ms, slower_than_assumed,
+                            worth_switching)
+from client import swarm_client
+from client.config import ClientConfig
 from client.hops import SlowDetector
-from swarm.errors import NoRoute
+from client.swarm_client import MAX_PINGS, PING_ROUNDS
+from swarm.errors import ConnectionLost, NoRoute
+from swarm.records import Announcement
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -61,8 +70,12 @@ def test_picks_the_cheaper_chain(fast_delay, expected):
 
 def test_measured_compute_wins_over_announced_throughput():
     offers = [Offer("boaster", Span(0, 6), throughput=1000.0), Offer("honest", Span(0, 6), throughput=10.0)]
-    assert peers(route(offers, Span(0, 6))) == ["boaster"]  # unmeasured: its announcement decides
-    m = measured(boaster=(10.0, 100.0, 6))  # measured: 10 + 600 ms against honest's 50 + 100 ms
+    m = Measurements()
+    m.ping("boaster", 10.0)
+    m.ping("honest", 10.0)
+    assert peers(route(offers, Span(0, 6), m)) == ["boaster"]  # answered pings: their announcements decide
+    m = measured(boaster=(10.0, 100.0, 6))  # measured: 10 + 600 ms against honest's 10 + 100 ms
+    m.ping("honest", 10.0)
     m.step("boaster", rtt_ms=20.0, compute_ms=10.0, tokens=8, blocks=6)  # a fast prefill changes no block speed
     assert m.block_ms(offers[0]) == 100.0
     assert peers(route(offers, Span(0, 6), m)) == ["honest"]
@@ -70,13 +83,15 @@ def test_measured_compute_wins_over_announced_throughput():
 
 def test_unmeasured_peer_gets_the_default_delay():
     offers = [Offer("a", Span(0, 4), throughput=10.0), Offer("b", Span(0, 4), throughput=10.0)]
-    assert Measurements().expected_ms(offers[0], blocks=4, tokens=1) == UNMEASURED_DELAY_MS + 100.0
+    assert Measurements().expected_ms(offers[0], blocks=4, tokens=1) == UNMEASURED_DELAY_MS + 4 * UNKNOWN_BLOCK_MS
+    for delay in (UNMEASURED_DELAY_MS - 1, UNMEASURED_DELAY_MS + 1, 10 * UNMEASURED_DELAY_MS):
+        m = Measurements()
+        m.ping("b", delay)
+        assert peers(route(offers, Span(0, 4), m)) == ["b"]  # the one that answered, however slowly
     m = Measurements()
-    m.ping("b", UNMEASURED_DELAY_MS - 1)
-    assert peers(route(offers, Span(0, 4), m)) == ["b"]  # measured wins at equal compute, despite "a" < "b"
-    m = Measurements()
-    m.ping("b", UNMEASURED_DELAY_MS + 1)
-    assert peers(route(offers, Span(0, 4), m)) == ["a"]
+    m.ping("a", 30.0)
+    m.ping("b", 20.0)
+    assert peers(route(offers, Span(0, 4), m)) == ["b"]  # both answered: by their delays
 
 
 def test_route_covers_exactly_the_requested_span():
@@ -222,6 +237,111 @@ def test_forgotten_cache_figure_falls_back_to_the_announcement():
     assert m.cache_left(offer) == 100
     m.forget_cache("a")
     assert m.cache_left(offer) == 900
+
+
+# ---- claims believed only as far as measured (Sybil records) ----
+
+FAKES = [Offer(f"fake{i:02d}", Span(0, 6), throughput=1e9, cache_tokens_left=10**9) for i in range(48)]
+HONEST = [Offer("a", Span(0, 3), throughput=20.0, cache_tokens_left=1000),
+          Offer("b", Span(3, 6), throughput=20.0, cache_tokens_left=1000)]
+
+
+def test_a_fake_record_never_beats_a_peer_that_answered():
+    slow = measured(a=(200.0, 80.0, 3), b=(200.0, 80.0, 3))  # stepped, and slower than anything assumed
+    pinged = Measurements()
+    for peer in ("a", "b"):
+        pinged.ping(peer, 500.0)
+    for m in (slow, pinged):
+        assert peers(route(FAKES + HONEST, Span(0, 6), m)) == ["a", "b"]
+        assert peers(route(FAKES + HONEST, Span(0, 6), m, rng=random.Random(1), cache_tokens=500)) == ["a", "b"]
+    fake_cost = route_cost_ms([Hop("fake00", Span(0, 6))], {"fake00": FAKES[0]}, Measurements())
+    assert fake_cost == UNMEASURED_DELAY_MS + 6 * UNKNOWN_BLOCK_MS  # what it claims counts for nothing
+
+
+def test_unproven_peers_serve_only_blocks_no_proven_peer_serves():
+    m = measured(a=(10.0, 5.0, 3))
+    hops = route(FAKES[:2] + HONEST[:1], Span(0, 6), m)
+    assert hops == [Hop("a", Span(0, 3)), Hop("fake00", Span(3, 6))]  # [3:6): only unproven peers serve it
+    m.ping("fake01", 10.0)
+    assert peers(route(FAKES[:2] + HONEST[:1], Span(0, 6), m)) == ["fake01"]  # both proven: the cheaper one
+    # among unproven peers, claims decide nothing: fewer hops, then the lower id
+    liars = [Offer("y", Span(0, 6), throughput=1e9), Offer("x", Span(0, 6), throughput=0.001)]
+    assert peers(route(liars, Span(0, 6))) == ["x"]
+
+
+def test_a_pinged_peers_claim_counts_at_most_claim_cap_times_the_fastest_measured():
+    liar = Offer("liar", Span(0, 6), throughput=1e9)
+    m = Measurements()
+    m.ping("liar", 1.0)
+    assert m.block_ms(liar) == pytest.approx(1000.0 / 6e9)  # nothing measured by steps yet: taken as announced
+    m.step("h", rtt_ms=31.0, compute_ms=30.0, tokens=1, blocks=6)  # 5 ms per block
+    assert m.block_ms(liar) == 5.0 / CLAIM_CAP
+    assert m.block_ms(Offer("liar", Span(0, 6), throughput=1.0)) == 1000.0 / 6  # slower claims count as they are
+    # the liar looks faster, but not so much faster that load stops spreading sessions
+    load = spread([liar, Offer("h", Span(0, 6))], m)
+    assert load["liar"] > load["h"] >= 1
+
+
+class Flood:
+    """A swarm view for `SwarmClient` without sockets: honest peers `a` [0:3) and `b` [3:6) that answer pings,
+    and `fakes` record-only identities announcing [0:6) at 1e9 tokens/s with newer sequence numbers, whose
+    pings fail at once (or never end, with `silent`)."""
+
+    def __init__(self, monkeypatch, fakes: int, silent: bool = False, **config):
+        self.fakes = [f"fake{i:03d}" for i in range(fakes)]
+        self.silent, self.pinged = silent, []
+        anns = [self.ann("a", 0, 3, 20.0, 1), self.ann("b", 3, 6, 20.0, 1)]
+        anns += [self.ann(p, 0, 6, 1e9, 10**12) for p in self.fakes]
+        self.anns = {block: [a for a in anns if a.start <= block < a.end] for block in range(6)}
+        monkeypatch.setattr(swarm_client.discovery, "announcements", self._announcements)
+        monkeypatch.setattr(swarm_client.peer_client, "info", self._info)
+        self.client = swarm_client.SwarmClient(None, "m", 6, ClientConfig(ping_timeout=0.05, **config))
+
+    @staticmethod
+    def ann(peer: str, start: int, end: int, throughput: float, seq: int) -> Announcement:
+        return Announcement(peer, "m", start, end, "online", throughput, throughput, 10**6, "0.1.0", seq, 0.0)
+
+    async def _announcements(self, node, model_id, num_blocks):
+        return self.anns
+
+    async def _info(self, node, peer, timeout=None):
+        self.pinged.append(peer)
+        if peer in ("a", "b"):
+            return None
+        if self.silent:
+            await asyncio.sleep(3600)
+        raise ConnectionLost(f"cannot reach {peer}")
+
+    def route(self, **kw) -> list[Hop]:
+        return asyncio.run(self.client.route(**kw))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_fresh_client_routes_through_peers_that_answered_despite_a_flood(monkeypatch, seed):
+    random.seed(seed)
+    flood = Flood(monkeypatch, 60)
+    assert peers(flood.route()) == ["a", "b"]
+    tried = set(flood.pinged) - {"a", "b"}
+    assert len(flood.pinged) == len(set(flood.pinged)) <= MAX_PINGS * (PING_ROUNDS + 1)  # each once, bounded
+    assert tried and all(flood.client.bans.banned(p) for p in tried)
+    before = len(flood.pinged)
+    assert peers(flood.route()) == ["a", "b"] and len(flood.pinged) == before  # the view is fresh: no pings
+
+
+def test_pings_of_a_bigger_flood_stay_bounded_in_count_and_time(monkeypatch):
+    flood = Flood(monkeypatch, 1000, silent=True)
+    started = time.monotonic()
+    hops = flood.route(span=Span(0, 3))
+    assert len(flood.pinged) <= MAX_PINGS * (PING_ROUNDS + 1)
+    assert time.monotonic() - started < (PING_ROUNDS + 1) * 0.05 + 1.0
+    # "a" may be among the few pinged; if not, an unproven fake is all that is left to try
+    assert peers(hops) == ["a"] if "a" in flood.pinged else not flood.client.measurements.proven(hops[0].peer)
+
+
+def test_allow_peers_ignores_every_other_record(monkeypatch):
+    flood = Flood(monkeypatch, 60, allow_peers=("a", "b"))
+    assert peers(flood.route()) == ["a", "b"] and sorted(flood.pinged) == ["a", "b"]
+    assert set(flood.client.offers) == {"a", "b"}
 
 
 # ---- load ----

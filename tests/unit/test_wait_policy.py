@@ -176,6 +176,8 @@ def test_a_route_much_slower_than_announced_is_switched_once():
 
 def test_no_switch_without_a_clear_gain_or_a_slow_hop():
     client = view()
+    for peer in ("a", "b"):  # proven: their claims count
+        client.measurements.ping(peer, 1.0)
     session = InferenceSession(client, 16)
     session.batch, session.links = 1, session._adopt(client.find(Span(0, 6), 16))
     assumed = session.links[0].assumed_ms

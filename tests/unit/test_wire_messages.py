@@ -11,11 +11,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from swarm import messages, wire
+from swarm.hidden import encoding_bytes, round_trip
 from swarm.errors import BadRequest, NotServing
 
 pytestmark = pytest.mark.unit
 
 PEER = "12D3KooWBfmETW1ZbkdZbKKPpE3jpjyQ5WBXoDF8y9oE8vMQPKLi"
+KEY, TAG, DIGEST = "0f" * 16, "a1" * 16, "9c" * 16
 
 
 def over_the_wire(msg: wire.Message) -> wire.Message:
@@ -34,12 +36,12 @@ def hidden(encoding: str = "float32", shape=(2, 3, 64), seed: int = 0) -> messag
 
 MESSAGES = [
     messages.Open("tiny", 2, 5, 128, 2, ("bfloat16", "int8", "float32")),
-    messages.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda"),
+    messages.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda", KEY),
     messages.Step(7, 3, hidden("float16"), wire.blob_of(torch.ones(2, 6, dtype=torch.bool)),
-              (messages.ChainHop(PEER, "s2-cd", 4),)),
+              (messages.ChainHop(PEER, "s2-cd", 4, TAG),)),
     messages.Step(0, 0, hidden("int8")),
-    messages.Push("s2-cd", 4, 3, hidden("bfloat16"), None, None),
-    messages.Output(hidden("int8"), 1.25, 7, 3, 6, True, None),
+    messages.Push("s2-cd", 4, TAG, 3, hidden("bfloat16"), None, None),
+    messages.Output(hidden("int8"), 1.25, 7, 3, 6, True, None, DIGEST),
     messages.Output(hidden("float32"), 0.5),
     messages.Close(),
     messages.Forward("tiny", 0, 6, hidden(), wire.blob_of(torch.ones(2, 3, dtype=torch.int64))),
@@ -82,8 +84,17 @@ def test_every_message_round_trips(msg):
      (hidden("int8").blobs[0], wire.blob_of(torch.zeros(2, 3, 3, dtype=torch.int8))), "exponents"),
     (messages.Step, {"step": -1, "position": 0, "encoding": "float32"}, hidden().blobs, "'step'"),
     (messages.Step, {"step": 1, "position": 0, "encoding": "float32", "next": [{"peer": "0OIl", "session": "s",
-                                                                           "step": 1}]},
+                                                                           "step": 1, "tag": TAG}]},
      hidden().blobs, "invalid peer id"),
+    (messages.Step, {"step": 1, "position": 0, "encoding": "float32", "next": [{"peer": PEER, "session": "s",
+                                                                           "step": 1}]},
+     hidden().blobs, "'tag'"),
+    (messages.Step, {"step": 1, "position": 0, "encoding": "float32", "next": [{"peer": PEER, "session": "s",
+                                                                           "step": 1, "tag": "XYZ"}]},
+     hidden().blobs, "'tag' must be 32 lowercase hex"),
+    (messages.Output, {"encoding": "float32", "input": "ab"}, hidden().blobs, "'input'"),
+    (messages.Opened, {"session": "s", "start": 0, "end": 2, "batch": 1, "max_length": 8, "encodings": ["float32"],
+                       "cache_tokens_left": 8}, (), "'push_key'"),
     (messages.Step, {"step": 1, "position": 0, "encoding": "float32"},
      hidden().blobs + (wire.blob_of(torch.ones(2, 3)),), "attention mask"),
     (messages.Output, {"encoding": "float32", "pushed": "yes"}, hidden().blobs, "pushed"),
@@ -118,7 +129,7 @@ def test_encodings_cost_and_error(encoding, ratio, error):
     x = torch.randn(2, 16, 576, generator=torch.Generator().manual_seed(1)) * 4
     sent = messages.Hidden.encode(x, encoding)
     assert sent.nbytes <= ratio * x.numel() * 4 + 1
-    assert sent.nbytes == pytest.approx(x.shape[0] * x.shape[1] * messages.encoding_bytes(encoding, 576))
+    assert sent.nbytes == pytest.approx(x.shape[0] * x.shape[1] * encoding_bytes(encoding, 576))
     back = sent.decode().float()
     assert (back - x).norm() / x.norm() <= error
 
@@ -133,7 +144,7 @@ def test_decode_of_encode_is_a_fixed_point(encoding, hidden_size, scale, seed):
     first = messages.Hidden.encode(x, encoding)
     again = messages.Hidden.encode(first.decode(), encoding)
     assert all(bytes(a.data) == bytes(b.data) for a, b in zip(first.blobs, again.blobs))
-    assert torch.equal(messages.round_trip(first.decode(), encoding), first.decode())
+    assert torch.equal(round_trip(first.decode(), encoding), first.decode())
     assert torch.isfinite(first.decode().float()).all() or encoding == "float16"
 
 
@@ -141,7 +152,7 @@ def test_int8_keeps_zero_blocks_and_bounds_each_block_by_its_own_largest_value()
     x = torch.zeros(1, 1, 64)
     x[0, 0, 32:] = torch.linspace(-1000, 1000, 32)
     x[0, 0, 5] = 1e-3  # its block is otherwise zero: its scale is its own
-    back = messages.round_trip(x, "int8")
+    back = round_trip(x, "int8")
     assert back[0, 0, 6:32].abs().max() == 0
     assert abs(back[0, 0, 5] - 1e-3) <= 1e-3 / 64
     assert (back[0, 0, 32:] - x[0, 0, 32:]).abs().max() <= 1024 / 127

@@ -1,0 +1,188 @@
+"""What trust costs and what it catches, on the demo model: checked outputs, detection of a lying peer, and
+fair shares under a cache hog.
+
+Verification (`verify`): a bootstrap and two peer processes on 127.0.0.1, each serving all 30 blocks of the
+demo model (float32, one core each), so every hop has a replica to be checked against. The client generates
+`--tokens` greedy tokens (a streamer times each token as users get it: after its check) for each
+`--fractions` (0: no checks), median of `--runs`: decode tokens/s, time to first token, and the held-back
+lag (time from the last token made to its release, at the end).
+
+Detection (`detect`): the same, with one peer lying (noise on its outputs, on every step or on 10% of
+steps: `tests/adversary.py`) and made the client's first choice; each trial a fresh session steps the
+prompt, then one token at a time until the lie is caught (`Rewound`), at most `--max-steps`: steps until
+caught, over `--trials` trials.
+
+    python benchmarks/trust.py [--sections verify detect]
+
+Writes its tables into docs/benchmarks.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
+
+from adversary import adversary  # noqa: E402
+from report import machine, write_section  # noqa: E402
+
+from client.cli import TimedStreamer  # noqa: E402
+from client.demo import DEMO_CACHE_TOKENS  # noqa: E402
+from swarm.cli import cache_home  # noqa: E402
+from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.errors import Rewound  # noqa: E402
+from swarm.launch import LocalSwarm  # noqa: E402
+from swarm.records import default_model_id  # noqa: E402
+
+PROMPT = "Give three tips for staying healthy."
+
+
+def log(message: str) -> None:
+    print(f"[trust] {message}", file=sys.stderr, flush=True)
+
+
+def start(net: LocalSwarm, path: Path, programs: dict[str, tuple[str, ...]]) -> None:
+    net.start_bootstrap()
+    for name, program in programs.items():
+        net.start_peer(name, path, "--blocks", "0:30", "--model-id", default_model_id(path), "--cache-tokens",
+                       str(DEMO_CACHE_TOKENS), "--threads", "1", wait=False, program=program)
+    for name in programs:
+        net.wait_serving(net.procs[name], timeout=600)
+
+
+def client(net: LocalSwarm, path: Path, **options):
+    from client.model import DistributedModelForCausalLM
+
+    return DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=default_model_id(path),
+                                                       **options)
+
+
+def verify(path: Path, args) -> list[str]:
+    from transformers import AutoTokenizer, LogitsProcessorList
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="swarm-trust-") as root, LocalSwarm(Path(root)) as net:
+        start(net, path, {"a": ("-m", "swarm.cli"), "b": ("-m", "swarm.cli")})
+        for fraction in args.fractions:
+            rates, decodes, ttfts, lags = [], [], [], []
+            with client(net, path, verify_fraction=fraction) as model:
+                model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm: routes, streams
+                for _ in range(args.runs):
+                    streamer = TimedStreamer(tokenizer, out=io.StringIO())
+                    made: list[float] = []  # when each token's logits came
+
+                    def stamp(input_ids, scores):
+                        made.append(time.perf_counter())
+                        return scores
+
+                    started = time.perf_counter()
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                                   min_new_tokens=args.tokens, do_sample=False, pad_token_id=0, streamer=streamer,
+                                   logits_processor=LogitsProcessorList([stamp]))
+                    stats = streamer.stats(started)
+                    rates.append(args.tokens / (streamer.times[-1] - started))
+                    decodes.append(stats["tokens_per_s"])
+                    ttfts.append(stats["ttft_s"])
+                    lags.append(streamer.times[-1] - made[-1])
+            rows.append((fraction, statistics.median(rates), statistics.median(ttfts), statistics.median(lags),
+                         statistics.median(decodes)))
+            log(f"fraction {fraction}: {rows[-1][1]:.1f} tokens/s, first token {rows[-1][2] * 1e3:.0f} ms")
+    base = rows[0]
+    lines = ["### Trust: the cost of checked outputs", "",
+             f"Machine: {machine()}. Demo model on a bootstrap and 2 peers each serving all 30 blocks (one core "
+             f"each) on 127.0.0.1, so every hop has a replica to check against; {args.tokens} greedy tokens, "
+             f"median of {args.runs} runs; times as a streamer receives the tokens (checked output only). "
+             "Overall tokens/s counts from the request to the last token (first token and final check "
+             "included); decode tokens/s from the first token to the last. Both peers and the client share this "
+             "machine's 2 cores, so a replica's checking takes CPU from the route and the client: an upper "
+             "bound of the cost on separate machines.", "",
+             "| verify fraction | tokens/s overall | vs no checks | decode tokens/s | vs no checks | first token (ms) "
+             "| held back at the end (ms) |", "|---|---|---|---|---|---|---|"]
+    for fraction, rate, ttft, lag, decode in rows:
+        lines.append(f"| {fraction:g} | {rate:.1f} | {rate / base[1]:.2f}x | {decode:.1f} | {decode / base[4]:.2f}x | "
+                     f"{ttft * 1e3:.0f} | {lag * 1e3:.0f} |")
+    return lines
+
+
+def detect(path: Path, args) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    rows = []
+    for mode in ("noisy", "noisy:0.1"):
+        with tempfile.TemporaryDirectory(prefix="swarm-trust-") as root, LocalSwarm(Path(root)) as net:
+            start(net, path, {"honest": ("-m", "swarm.cli"), "liar": adversary(mode)})
+            caught, never, elsewhere = [], 0, 0
+            for trial in range(args.trials):
+                with client(net, path, route_seed=trial) as model:
+                    liar, honest = net.procs["liar"].peer_id, net.procs["honest"].peer_id
+                    measurements = model.connection.client.measurements  # the liar looks fastest
+                    for _ in range(3):
+                        measurements.step(liar, rtt_ms=1.0, compute_ms=0.5, tokens=1, blocks=30)
+                        measurements.step(honest, rtt_ms=50.0, compute_ms=40.0, tokens=1, blocks=30)
+                    if model.route()[0].peer != liar:
+                        elsewhere += 1
+                        continue
+                    steps = steps_until_caught(model, ids, args.max_steps)
+                if steps is None:
+                    never += 1
+                else:
+                    caught.append(steps)
+            rows.append((mode, caught, never))
+            log(f"{mode}: caught after {caught} steps; never in {never}; {elsewhere} routed elsewhere (not counted)")
+    lines = ["### Trust: steps until a lying peer is caught", "",
+             f"Machine: {machine()}. Demo model, an honest peer and a lying one (noise of half the mean magnitude "
+             "on its outputs) each serving all 30 blocks; the client's route goes through the liar first, with "
+             f"the default verify fraction; each trial a fresh session steps the prompt (step 1), then one token "
+             f"at a time, until the lie is caught, at most {args.max_steps} steps; {args.trials} trials.", "",
+             "| liar | caught in | steps until caught: median | max | not caught |", "|---|---|---|---|---|"]
+    for mode, caught, never in rows:
+        what = "every step" if mode == "noisy" else "10% of steps"
+        lines.append(f"| {what} | {len(caught)}/{len(caught) + never} | "
+                     f"{statistics.median(caught) if caught else '-'} | {max(caught) if caught else '-'} | {never} |")
+    return lines
+
+
+def steps_until_caught(model, ids: torch.Tensor, max_steps: int) -> int | None:
+    """Steps a fresh session takes (the prompt is step 1) before its next step finds the lie caught."""
+    with model.inference_session(max_length=ids.shape[1] + max_steps + 1) as session:
+        out, steps = session.step(ids), 1
+        try:
+            while steps < max_steps:
+                out = session.step(out[:, -1:].argmax(-1))
+                steps += 1
+            model.connection.run(session.session.verify())
+        except Rewound:
+            return steps
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", nargs="+", default=["verify", "detect"], choices=["verify", "detect"])
+    parser.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.1, 0.25, 1.0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--max-steps", type=int, default=64)
+    args = parser.parse_args()
+    path = prepare_demo_model(default_demo_dir(cache_home()))
+    for section in args.sections:
+        lines = {"verify": verify, "detect": detect}[section](path, args)
+        print(write_section(f"trust-{section}", lines))
+
+
+if __name__ == "__main__":
+    main()

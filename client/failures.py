@@ -1,0 +1,117 @@
+"""The client's one failure policy: when a hop fails, who is blamed, banned, and whether to go on. Sync.
+
+Sessions (`client.session`) and stateless forwards (`SwarmClient.forward`) both report a failed hop
+here and get one answer: raise (the request itself is wrong, or too many peers failed in a row) or
+reroute the hop's span (the caller then replaces the hop and, in a session, replays its history).
+
+- Whether another peer may succeed is a property of the error type (`SwarmError.retryable`); a missed
+  deadline is retryable.
+- An error that says the request is wrong (`bad_request`) coming from a peer is trusted only when a
+  second peer says the same: a single peer cannot end a generation by refusing every request.
+- Failures of peers that never completed a step for this client (fresh records, possibly Sybils or
+  black holes) count against a separate, larger allowance (`UNPROVEN_ATTEMPTS`) than `max_retries`,
+  which counts failures of peers that had served us: fake records cannot use up the attempts an
+  honest route needs. Every failed peer is banned, so the candidates shrink with each attempt, and
+  both counts bound the loop.
+- A chain mismatch (`ChainMismatch`: a hop computed on input other than the previous hop's output) is
+  a failure of the previous hop. A downstream peer that reports mismatches against two different
+  upstream peers is suspected of lying itself and banned too (one peer cannot frame honest ones for
+  long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.span import Span
+from swarm.transport import describe_peer
+
+logger = logging.getLogger(__name__)
+
+UNPROVEN_ATTEMPTS = 64  # failures of peers that never served this client, per request, on top of max_retries
+LIAR_BAN_S = 3600.0  # a peer caught altering what it passes on is avoided this long
+
+
+def retryable(err: BaseException) -> bool:
+    """Whether another peer may succeed where this one failed (the request itself was fine)."""
+    return isinstance(err, asyncio.TimeoutError) or (isinstance(err, SwarmError) and err.retryable)
+
+
+def reason_of(err: BaseException) -> str:
+    return err.code if isinstance(err, SwarmError) else "timeout"
+
+
+@dataclass
+class FailurePolicy:
+    """What this client knows about failures across requests: peers proven (they completed a step for
+    us) and who blamed whom. `ban(peer, reason, seconds)` is the client's ban (seconds None: the usual
+    backoff)."""
+
+    ban: Callable[[str, str, float | None], None]
+    max_retries: int
+    proven: set[str] = field(default_factory=set)
+    blamed_by: dict[str, set[str]] = field(default_factory=dict)  # accuser -> the peers it blamed
+
+    def succeeded(self, peer: str) -> None:
+        self.proven.add(peer)
+
+    def attempts(self, what: str) -> Attempts:
+        """The failure count of one request (a step of a session, or a forward) about `what` (the model)."""
+        return Attempts(self, what)
+
+    def wrong_output(self, liar: str, checker: str) -> None:
+        """`checker`, a replica, computed other outputs than `liar` for the same inputs: `liar` is banned for long;
+        a checker that accuses a second peer is banned as well."""
+        self.ban(liar, "wrong_output", LIAR_BAN_S)
+        self._accused(checker, liar, "checker")
+
+    def chain_mismatch(self, upstream: str, downstream: str) -> None:
+        """`downstream` computed on something other than `upstream`'s output: `upstream` is banned for long
+        (by the caller's failover, through `Attempts.failed`); a downstream peer blaming a second upstream
+        peer is banned as well."""
+        self._accused(downstream, upstream, "next hop")
+
+    def _accused(self, accuser: str, accused: str, role: str) -> None:
+        blamed = self.blamed_by.setdefault(accuser, set())
+        blamed.add(accused)
+        if len(blamed) >= 2:
+            logger.warning("peer %s (a %s) accused %d different peers: banning it too", describe_peer(accuser), role,
+                           len(blamed))
+            self.ban(accuser, "suspect", LIAR_BAN_S)
+
+
+@dataclass
+class Attempts:
+    policy: FailurePolicy
+    what: str
+    proven_failures: int = 0
+    unproven_failures: int = 0
+    refused_by: set[str] = field(default_factory=set)  # peers that called our request bad
+
+    def failed(self, peer: str, span: Span, err: BaseException, opening: bool = False) -> str:
+        """Peer `peer` failed on `span` with `err`: raise if the caller must give up, else ban the peer and
+        return the reason (the caller reroutes the span). `opening`: it refused to open a session (peers
+        differ in their limits, so a refusal there is always that peer's)."""
+        reason = reason_of(err)
+        if not retryable(err):
+            refusal = isinstance(err, BadRequest) and err.remote
+            if not refusal or (not opening and self.refused_by - {peer}):
+                raise err  # our own check, or a second peer agrees: the request is wrong
+            self.refused_by.add(peer)  # one peer's word: try another before believing it
+        if peer in self.policy.proven:
+            self.proven_failures += 1
+        else:
+            self.unproven_failures += 1
+        liar = reason in ("chain_mismatch",)
+        self.policy.ban(peer, reason, LIAR_BAN_S if liar else None)
+        logger.warning("blocks %s at peer %s failed (%s): rerouting", span, describe_peer(peer),
+                       err if isinstance(err, SwarmError) else "no reply in time")
+        if self.proven_failures > self.policy.max_retries or self.unproven_failures > UNPROVEN_ATTEMPTS:
+            count = self.proven_failures + self.unproven_failures
+            raise NoRoute(f"blocks {span} of {self.what} failed on {count} peers in a row; last error: {reason}") \
+                from None
+        return reason

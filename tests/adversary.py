@@ -1,0 +1,75 @@
+"""Adversarial peers for tests: the real peer with one behaviour altered by patching, run as
+`python tests/adversary.py MODE <swarm command line>` (`LocalSwarm.start_peer(..., program=adversary("MODE"))`).
+These are test helpers only: the real peer has no such options.
+
+Modes:
+- `tamper-push`: adds noise to the hidden states it pushes on to the next peer of a chained step; its
+  replies to the client stay honest, so only the check of what the next hop computed on can catch it.
+- `blackhole`: takes session streams and never answers `open` (it answers pings).
+- `noisy` (or `noisy:P`): adds noise to every step's output (or to each with probability P), in its replies
+  and its pushes alike (a consistent lie that only a recomputation elsewhere can catch), and claims to be
+  100 times faster than it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from peer import capacity, servicer
+from swarm import cli, messages
+
+MODES = ("tamper-push", "blackhole", "noisy")
+
+
+def adversary(mode: str) -> tuple[str, ...]:
+    """The `program` that runs a peer in `mode`."""
+    assert mode.split(":")[0] in MODES, mode
+    return (str(Path(__file__).resolve()), mode)
+
+
+def _tamper_push() -> None:
+    original = servicer.Servicer._push
+
+    async def push(self, step, output, chain):
+        x = output.hidden.decode().float()
+        altered = x + 0.5 * x.abs().mean() * torch.randn_like(x)
+        hidden = messages.Hidden.encode(altered, output.hidden.encoding)
+        return await original(self, step, dataclasses.replace(output, hidden=hidden), chain)
+
+    servicer.Servicer._push = push
+
+
+def _noisy(p: float = 1.0) -> None:
+    original = servicer.Servicer._step
+
+    async def step(self, session, msg):
+        output = await original(self, session, msg)
+        if random.random() >= p:
+            return output
+        x = output.hidden.decode().float()
+        altered = x + 0.5 * x.abs().mean() * torch.randn_like(x)
+        return dataclasses.replace(output, hidden=messages.Hidden.encode(altered, output.hidden.encoding))
+
+    servicer.Servicer._step = step
+    speed = capacity.Capacity.throughput
+    capacity.Capacity.throughput = lambda self, blocks: 100 * speed(self, blocks)
+
+
+def _blackhole() -> None:
+    async def serve_session(self, stream):
+        await asyncio.sleep(3600)  # holds the stream, reads nothing, answers nothing
+
+    servicer.Servicer.serve_session = serve_session
+
+
+if __name__ == "__main__":
+    mode, argv = sys.argv[1], sys.argv[2:]
+    name, _, arg = mode.partition(":")
+    {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy}[name](*map(float, filter(None, [arg])))
+    sys.exit(cli.main(argv))

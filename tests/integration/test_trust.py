@@ -1,0 +1,131 @@
+"""Honest clients in a swarm with a dishonest peer, for real on 127.0.0.1: a peer that alters what it pushes
+to the next hop of a chained route, one that returns wrong outputs (and claims to be very fast), and one that
+takes session streams and never answers. In each case the client gets the same tokens and logits as
+transformers locally, and the culprit is banned. The dishonest peers are test helpers (`tests/adversary.py`),
+not options of the real peer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adversary import adversary
+from client.model import DistributedModelForCausalLM
+from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
+
+pytestmark = pytest.mark.integration
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 3, 64, 200, 11]])
+DECODE = 6
+
+
+@pytest.fixture(scope="module")
+def trust_swarm(tmp_path_factory, tiny_llama):
+    """[0:3) four times: honest, altering its pushes, lying about its outputs, and a black hole; [3:6) once,
+    honest."""
+    net = LocalSwarm(tmp_path_factory.mktemp("trust-swarm"))
+    try:
+        net.start_bootstrap()
+        net.start_peer("honest", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS)
+        net.start_peer("tamper", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("tamper-push"))
+        net.start_peer("hole", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("blackhole"))
+        net.start_peer("noisy", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("noisy"))
+        net.start_peer("tail", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS)
+        yield net
+    finally:
+        net.stop_all()
+
+
+def only_through(model: DistributedModelForCausalLM, net: LocalSwarm, first: str, fallback: str,
+                 fallback_ban: float = 3.0) -> None:
+    """Make the client's first route go through peer `first` for [0:3): the other dishonest ones are banned for
+    the test, and `fallback` for `fallback_ban` seconds (a set ban, which no ping lifts), so a replacement after
+    `first` fails waits for it, bounded."""
+    client = model.connection.client
+    model.connection.run(client.refresh(force=True))
+    for name in ("honest", "tamper", "hole", "noisy"):
+        if name not in (first, fallback):
+            client.ban(net.procs[name].peer_id, "test", 600.0)
+    if fallback_ban:
+        client.ban(net.procs[fallback].peer_id, "test", fallback_ban)
+
+
+def greedy_logits(model, steps: int = DECODE):
+    with model.inference_session(max_length=32) as session:
+        out = [session.step(PROMPT)]
+        for _ in range(steps):
+            out.append(session.step(out[-1][:, -1:].argmax(-1)))
+        return torch.cat(out, 1), list(session.failovers), dict(session.session.hop_inputs)
+
+
+def assert_local(got: torch.Tensor, local) -> None:
+    with torch.inference_mode():
+        full = local(torch.cat([PROMPT, got[:, PROMPT.shape[1] - 1:-1].argmax(-1)], 1)).logits
+    torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
+
+
+def test_a_peer_altering_its_pushes_is_caught_banned_and_routed_around(trust_swarm, tiny_llama, local):
+    with DistributedModelForCausalLM.from_pretrained(tiny_llama, trust_swarm.bootstrap_addrs,
+                                                     model_id=MODEL_ID) as model:
+        only_through(model, trust_swarm, "tamper", "honest")
+        got, failovers, hops = greedy_logits(model)
+        bans = model.connection.client.bans
+        tamper, honest = trust_swarm.procs["tamper"].peer_id, trust_swarm.procs["honest"].peer_id
+        assert bans.banned(tamper) and bans.reasons[tamper] == "chain_mismatch"
+    assert_local(got, local)
+    assert [(f.failed_peer, f.reason) for f in failovers] == [(tamper, "chain_mismatch")]
+    assert failovers[0].new_hops == (f"[0:3) at {honest[-8:]}",)
+    assert hops["pushed"] >= 1  # the chain ran again after the failover
+
+
+def test_a_black_hole_costs_one_open_deadline_and_is_banned(trust_swarm, tiny_llama, local):
+    with DistributedModelForCausalLM.from_pretrained(tiny_llama, trust_swarm.bootstrap_addrs,
+                                                     model_id=MODEL_ID) as model:
+        only_through(model, trust_swarm, "hole", "honest")
+        got, failovers, _ = greedy_logits(model)
+        client = model.connection.client
+        hole = trust_swarm.procs["hole"].peer_id
+        assert client.bans.banned(hole) and client.bans.reasons[hole] == "timeout"
+        deadline = client.open_deadline(hole)
+    assert_local(got, local)
+    assert [(f.failed_peer, f.reason) for f in failovers] == [(hole, "timeout")]
+    assert deadline < model.connection.client.config.open_timeout  # measured by its ping: not the full timeout
+
+
+class Seen:
+    """A streamer recording what it was given after the prompt."""
+
+    def __init__(self):
+        self.tokens, self.ended, self.prompt = [], False, None
+
+    def put(self, value):
+        if self.prompt is None:
+            self.prompt = value
+        else:
+            self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.ended = True
+
+
+def test_a_peer_lying_about_its_outputs_is_caught_by_a_replica_and_users_see_only_checked_tokens(
+        trust_swarm, tiny_llama, local):
+    """The liar looks fastest, so the client routes through it; a replica's recomputation catches it, it is
+    banned, the session rewinds to its first wrong position, and generate goes on from there: the tokens streamed
+    and returned are transformers' own."""
+    with DistributedModelForCausalLM.from_pretrained(tiny_llama, trust_swarm.bootstrap_addrs, model_id=MODEL_ID,
+                                                     verify_fraction=0.5) as model:
+        only_through(model, trust_swarm, "noisy", "honest", 0)  # the honest one is not banned: it checks
+        noisy, honest = trust_swarm.procs["noisy"].peer_id, trust_swarm.procs["honest"].peer_id
+        measurements = model.connection.client.measurements  # as if the liar had been fast so far
+        for _ in range(3):
+            measurements.step(noisy, rtt_ms=2.0, compute_ms=0.3, tokens=1, blocks=3)
+            measurements.step(honest, rtt_ms=40.0, compute_ms=30.0, tokens=1, blocks=3)
+        assert model.route()[0].peer == noisy
+        seen = Seen()
+        got = model.generate(PROMPT, max_new_tokens=12, do_sample=False, pad_token_id=0, streamer=seen)
+        bans = model.connection.client.bans
+        assert bans.banned(noisy) and bans.reasons[noisy] == "wrong_output"
+    want = local.generate(PROMPT, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert got.tolist() == want.tolist()
+    assert seen.tokens == want[0, PROMPT.shape[1]:].tolist() and seen.ended

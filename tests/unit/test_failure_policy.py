@@ -1,0 +1,86 @@
+"""The client's one failure policy (`client.failures`): what is retried, who is banned and for how long, when a
+request gives up, and who is blamed for an altered push."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client.failures import LIAR_BAN_S, UNPROVEN_ATTEMPTS, FailurePolicy, retryable
+from client.routing import Bans
+from swarm.errors import (BadRequest, Busy, ChainMismatch, ConnectionLost, NoRoute, OutOfCache, ProtocolError,
+                          StepTimeout, error_from_code)
+from swarm.span import Span
+
+pytestmark = pytest.mark.unit
+
+SPAN = Span(0, 3)
+
+
+def policy(max_retries: int = 2) -> tuple[FailurePolicy, Bans, list]:
+    bans, calls = Bans(base=5.0, clock=lambda: 0.0), []
+
+    def ban(peer, reason, seconds=None):
+        calls.append((peer, reason, seconds))
+        bans.ban(peer, reason, seconds)
+
+    return FailurePolicy(ban, max_retries), bans, calls
+
+
+def test_retryability_is_a_property_of_the_error_type():
+    assert all(retryable(e) for e in (asyncio.TimeoutError(), Busy(), OutOfCache(), ConnectionLost(), StepTimeout(),
+                                      ProtocolError(), ChainMismatch(), error_from_code("no_such_code", "?")))
+    assert not any(retryable(e) for e in (BadRequest(), NoRoute(), ValueError()))
+
+
+def test_a_request_we_got_wrong_ourselves_is_raised_at_once():
+    p, bans, _ = policy()
+    with pytest.raises(BadRequest):
+        p.attempts("m").failed("a", SPAN, BadRequest("position beyond the session"))
+    assert not bans.banned("a")
+
+
+def test_one_peer_calling_the_request_bad_is_routed_around_a_second_is_believed():
+    p, bans, _ = policy()
+    attempts = p.attempts("m")
+    assert attempts.failed("liar", SPAN, error_from_code("bad_request", "no")) == "bad_request"
+    assert bans.banned("liar")
+    with pytest.raises(BadRequest):
+        attempts.failed("b", SPAN, error_from_code("bad_request", "no"))
+
+
+def test_a_refused_open_is_always_that_peer_s():
+    p, _, _ = policy()
+    attempts = p.attempts("m")
+    for peer in "abc":  # peers differ in their limits (max length, batch)
+        attempts.failed(peer, SPAN, error_from_code("bad_request", "max_length too large"), opening=True)
+
+
+def test_fresh_records_failing_do_not_use_up_the_attempts_of_peers_that_served_us():
+    p, _, _ = policy(max_retries=2)
+    p.succeeded("honest1")
+    p.succeeded("honest2")
+    attempts = p.attempts("m")
+    for i in range(UNPROVEN_ATTEMPTS):
+        attempts.failed(f"sybil{i}", SPAN, ConnectionLost())
+    attempts.failed("honest1", SPAN, StepTimeout())
+    attempts.failed("honest2", SPAN, StepTimeout())
+    with pytest.raises(NoRoute, match="failed on 67 peers in a row"):
+        attempts.failed("honest1", SPAN, StepTimeout())
+    with pytest.raises(NoRoute):
+        fresh = p.attempts("m")
+        for i in range(UNPROVEN_ATTEMPTS + 1):
+            fresh.failed(f"sybil{i}", SPAN, ConnectionLost())
+
+
+def test_an_altered_push_bans_the_upstream_peer_for_long_and_a_serial_accuser_too():
+    p, bans, calls = policy()
+    p.chain_mismatch("up1", "down")
+    p.attempts("m").failed("up1", SPAN, ChainMismatch("altered"))
+    assert calls[-1] == ("up1", "chain_mismatch", LIAR_BAN_S)
+    bans.succeeded("up1")  # a success elsewhere does not lift it
+    assert bans.banned("up1")
+    assert not bans.banned("down")
+    p.chain_mismatch("up2", "down")  # the same downstream peer accuses a second upstream peer
+    assert bans.banned("down") and bans.reasons["down"] == "suspect"
