@@ -12,7 +12,12 @@ steps: `tests/adversary.py`) and made the client's first choice; each trial a fr
 prompt, then one token at a time until the lie is caught (`Rewound`), at most `--max-steps`: steps until
 caught, over `--trials` trials.
 
-    python benchmarks/trust.py [--sections verify detect]
+Fairness (`fair`): the demo swarm as `swarm demo` starts it (3 peers [0:10) [10:20) [20:30)); an honest
+client's time to first token (greedy, `--runs` runs, median) on the idle swarm, then while a hog (its own
+client identity, in this process) holds as many sessions at every peer as the peers let it open (each
+filled with a `--hog-prompt`-token prompt, at the peer's longest max length) and keeps stepping them.
+
+    python benchmarks/trust.py [--sections verify detect fair]
 
 Writes its tables into docs/benchmarks.md between its markers.
 """
@@ -169,9 +174,113 @@ def steps_until_caught(model, ids: torch.Tensor, max_steps: int) -> int | None:
     return None
 
 
+async def hog_sessions(node, net: LocalSwarm, path: Path, prompt: int, limit: int = 64) -> list[list]:
+    """As many sessions at every peer as it lets this client open (at most `limit` each), each filled with
+    `prompt` tokens: [session, hidden size, length] each."""
+    from client.peer_client import PeerSession
+    from swarm.calls import info
+    from swarm.errors import SwarmError
+    from swarm.span import Span
+
+    sessions = []
+    for name in ("peer0", "peer1", "peer2"):
+        peer = net.procs[name].peer_id
+        about = await info(node, peer)
+        for _ in range(limit):
+            try:
+                session = await PeerSession.open(node, peer, default_model_id(path), Span(about.start, about.end),
+                                                 max_length=about.max_length)
+                await session.step(torch.randn(1, prompt, about.hidden_size), 0)
+            except SwarmError:
+                break
+            sessions.append([session, about.hidden_size, prompt])
+    return sessions
+
+
+async def keep_stepping(sessions: list[list], stop) -> int:
+    """One token at a time through every session, round and round, until `stop` is set; steps taken. A session
+    the peer reclaimed for another client is dropped."""
+    from swarm.errors import SwarmError
+
+    steps = 0
+    while not stop.is_set() and sessions:
+        for entry in list(sessions):
+            if stop.is_set():
+                break
+            session, hidden, length = entry
+            try:
+                await session.step(torch.randn(1, 1, hidden), length)
+            except SwarmError:
+                sessions.remove(entry)
+                continue
+            entry[2] += 1
+            steps += 1
+    return steps
+
+
+def fair(path: Path, args) -> list[str]:
+    import asyncio
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from client.demo import start_swarm
+    from client.loop import LoopThread
+    from swarm.identity import Identity
+    from swarm.transport import Node
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+
+    def ttfts(model) -> float:
+        times = []
+        for _ in range(args.runs):
+            streamer = TimedStreamer(tokenizer, out=io.StringIO())
+            started = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                           do_sample=False, pad_token_id=0, streamer=streamer)
+            times.append(streamer.stats(started)["ttft_s"])
+        return statistics.median(times)
+
+    with tempfile.TemporaryDirectory(prefix="swarm-trust-") as root, LocalSwarm(Path(root)) as net:
+        start_swarm(net, path, 3, "float32", default_model_id(path))
+        with client(net, path) as model:
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm
+            idle = ttfts(model)
+        log(f"idle: first token {idle * 1e3:.0f} ms")
+        with LoopThread() as loop:
+            node = Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True)
+            loop.run(node.__aenter__(), timeout=60)
+            try:
+                sessions = loop.run(hog_sessions(node, net, path, args.hog_prompt), timeout=600)
+                held = len(sessions)
+                log(f"the hog holds {held} sessions of {args.hog_prompt} tokens")
+                stop = threading.Event()
+                stepping = asyncio.run_coroutine_threadsafe(keep_stepping(sessions, stop), loop.loop)
+                with client(net, path) as model:
+                    busy = ttfts(model)
+                stop.set()
+                hog_steps = stepping.result(120)
+                left = len(sessions)
+                loop.run(asyncio.gather(*(e[0].close() for e in sessions), return_exceptions=True), timeout=60)
+            finally:
+                loop.run(node.__aexit__(None, None, None), timeout=30)
+    log(f"with the hog: first token {busy * 1e3:.0f} ms ({busy / idle:.2f}x)")
+    return ["### Trust: an honest client beside a cache hog", "",
+            f"Machine: {machine()}. Demo swarm (3 peers [0:10) [10:20) [20:30), default peer options) on 127.0.0.1; "
+            f"time to first token of an honest client (4 greedy tokens, median of {args.runs}), on the idle swarm and "
+            f"while a hog holds {held} sessions ({args.hog_prompt}-token prompts at the peers' longest max length) and "
+            f"steps them one token at a time, round and round ({hog_steps} hog steps meanwhile; {held - left} of its "
+            "sessions reclaimed for the honest client).", "",
+            "| swarm | first token (ms) | vs idle |", "|---|---|---|",
+            f"| idle | {idle * 1e3:.0f} | 1.00x |", f"| with the hog | {busy * 1e3:.0f} | {busy / idle:.2f}x |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["verify", "detect"], choices=["verify", "detect"])
+    parser.add_argument("--sections", nargs="+", default=["verify", "detect", "fair"],
+                        choices=["verify", "detect", "fair"])
+    parser.add_argument("--hog-prompt", type=int, default=256)
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.1, 0.25, 1.0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
@@ -180,7 +289,7 @@ def main() -> None:
     args = parser.parse_args()
     path = prepare_demo_model(default_demo_dir(cache_home()))
     for section in args.sections:
-        lines = {"verify": verify, "detect": detect}[section](path, args)
+        lines = {"verify": verify, "detect": detect, "fair": fair}[section](path, args)
         print(write_section(f"trust-{section}", lines))
 
 

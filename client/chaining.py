@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from client.hops import IDLE_REOPEN_S
+from client.hops import IDLE_REOPEN_S, check_plausible
 from swarm import wire
 from swarm.errors import BadRequest, ChainMismatch, StepTimeout, SwarmError
 from swarm.integrity import input_digest
@@ -76,6 +76,7 @@ class ChainedSteps:
             try:
                 out = await link.session.receive(steps[j], shape, self.client.deadline(link.hop, shape[0] * tokens),
                                                  expected)
+                check_plausible(link.hop, x, out)
             except ChainMismatch as e:
                 # the previous hop pushed something else than it returned: it fails, and its step is redone
                 upstream = links[j - 1]

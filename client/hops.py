@@ -13,9 +13,25 @@ import torch
 
 from client.peer_client import PeerSession
 from client.routing import Hop
-from swarm.errors import BadRequest
+from swarm.errors import BadRequest, ProtocolError
 
 IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
+MAX_GROWTH = 1e5  # a span's output vector is at most this many times its input's norm (plus 1); real blocks grow
+# activations by up to a few thousand times (the massive activations of a sequence's first positions)
+
+
+def check_plausible(hop: Hop, x: torch.Tensor, out: torch.Tensor) -> None:
+    if not plausible(x, out):
+        raise ProtocolError(f"peer {hop.peer} returned implausible hidden states for blocks {hop.span} (non-finite, "
+                            "or norms far beyond what blocks produce)")
+
+
+def plausible(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """A free sanity check of a hop's output against its input, on every step: finite, and no vector's norm
+    far beyond what blocks can produce. It catches absurd outputs, not subtle ones (`client.verify` does)."""
+    if not bool(torch.isfinite(out).all()):
+        return False
+    return bool((out.float().norm(dim=-1) <= MAX_GROWTH * (x.float().norm(dim=-1) + 1)).all())
 
 
 class SlowDetector:

@@ -51,7 +51,7 @@ import torch
 from client.encodings import REPLAY_ENCODING, Encodings
 from client.chaining import ChainedSteps
 from client.failures import Attempts
-from client.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, step_mask
+from client.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, check_plausible, step_mask
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient
 from client.verify import Verifier
@@ -439,6 +439,7 @@ class InferenceSession(ChainedSteps):
         started = time.perf_counter()
         out = await asyncio.wait_for(link.session.step(x, position, mask, encoding),
                                      self.client.deadline(hop, x.shape[0] * tokens))
+        check_plausible(hop, x, out)
         self._observe(link, (time.perf_counter() - started) * 1e3, tokens)
         return out
 

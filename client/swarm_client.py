@@ -263,19 +263,16 @@ class SwarmClient:
         """How a session over `hops` encodes hidden states on the wire (`choose_encodings`)."""
         return choose_encodings(self.config, [(self.offer(h.peer).dtype, self.offer(h.peer).quant) for h in hops])
 
-    def replica(self, span: Span, *, exclude: set[str], fmt: str | None = None,
+    def replica(self, span: Span, *, exclude: set[str], fmt: str,
                 rng: random.Random | None = None) -> Hop | None:
-        """Another peer serving all of `span`, to check a hop against: one in weight format `fmt` if any, those
-        this client has measured first; None if there is none."""
-        candidates = [o for o in self.offers.values() if o.span.start <= span.start and span.end <= o.span.end
-                      and o.peer not in exclude and not self.bans.banned(o.peer)
-                      and o.rank >= PRECISIONS.index(self.config.min_precision)]
+        """Another peer serving all of `span` in weight format `fmt`, to check a hop against (peers of other
+        formats compute other numbers); those this client has measured first; None if there is none."""
+        candidates = [o.peer for o in self.offers.values() if o.span.start <= span.start and span.end <= o.span.end
+                      and o.peer not in exclude and not self.bans.banned(o.peer) and o.format == fmt]
         if not candidates:
             return None
-        best = min((o.format != fmt, self.measurements.delay_ms(o.peer) is None) for o in candidates)
-        pool = sorted((o.peer for o in candidates
-                       if (o.format != fmt, self.measurements.delay_ms(o.peer) is None) == best))
-        return Hop((rng or random).choice(pool), span)
+        measured = sorted(p for p in candidates if self.measurements.delay_ms(p) is not None)
+        return Hop((rng or random).choice(measured or sorted(candidates)), span)
 
     def offer(self, peer: str) -> Offer:
         return self.offers.get(peer) or Offer(peer, self.span)

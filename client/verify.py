@@ -2,8 +2,8 @@
 and compared. Async, on the session's event loop.
 
 For each hop of the route the verifier keeps a *shadow*: a session on another peer serving the hop's blocks
-(the same weight format where one exists) that has been sent the hop's inputs for positions
-`[0, verified)` and agreed on every output there. After each step, each hop starts a check with probability
+in the same weight format (peers of other formats compute other numbers) that has been sent the hop's
+inputs for positions `[0, verified)` and agreed on every output there. After each step, each hop starts a check with probability
 `fraction` (if none is running): the shadow is sent the hop's inputs `[verified, length)` as one chunk (in
 float32: exactly the values the hop received) and its outputs are compared with what the hop returned. So
 every position is eventually compared, in chunks that cost a replica about what one decode step costs, and

@@ -65,6 +65,8 @@ class PeerConfig:
                                  "session when the cache or the sessions are full")
     client_forwards: int = option(2, help="stateless forwards of one client computed or queued at once; more wait "
                                   "their turn")
+    block_peers: tuple[str, ...] = option((), metavar="PEER_ID", help="peers and clients (ids) this peer never "
+                                          "serves nor pushes to (default: none)")
     push: bool = option(True, help="pass a chained step's output straight to the next peer of the client's route "
                         "(--no-push: the client relays it)")
     announce_interval: float = option(20.0, help="seconds between re-announcements")

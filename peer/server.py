@@ -225,10 +225,11 @@ class Peer:
             servicer.capacity = self.capacity
             servicer.pusher = Pusher(self.node) if config.push else None
             self.metrics.watch(servicer.info)
-            await self.node.serve(wire.SESSION_PROTOCOL, servicer.serve_session)
-            await self.node.serve(wire.PUSH_PROTOCOL, servicer.serve_push)
-            await self.node.serve(wire.FORWARD_PROTOCOL, servicer.serve_forward)
-            await self.node.serve(wire.INFO_PROTOCOL, servicer.serve_info)
+            for protocol, handler in ((wire.SESSION_PROTOCOL, servicer.serve_session),
+                                      (wire.PUSH_PROTOCOL, servicer.serve_push),
+                                      (wire.FORWARD_PROTOCOL, servicer.serve_forward),
+                                      (wire.INFO_PROTOCOL, servicer.serve_info)):
+                await self.node.serve(protocol, servicer.guarded(handler))
             await self.announce("online")
             maddrs = tuple(await self.node.maddrs())
             logger.info("peer %s serving blocks %s of %s (%s, %.1f tokens/s decode) at %s", self.name, span,

@@ -154,6 +154,17 @@ class Servicer:
 
     # ---- session protocol ----
 
+    def guarded(self, handler):
+        """`handler` for streams of peers not on `--block-peers`; a blocked peer is answered `not_serving`."""
+        async def serve(stream: Stream) -> None:
+            if stream.remote in self.config.block_peers:
+                self._count(NotServing())
+                await self._send(stream, messages.Error.of(NotServing("this peer does not serve you")).to_message())
+                return
+            await handler(stream)
+
+        return serve
+
     async def serve_session(self, stream: Stream) -> None:
         session: Session | None = None  # once closed (idle, reclaimed, drained) the next message learns why
         lock = asyncio.Lock()  # replies come from this handler and from steps pushed into the session
@@ -239,6 +250,8 @@ class Servicer:
         if self.pusher is None or not self.config.push:
             return "disabled"
         first, rest = chain[0], chain[1:]
+        if first.peer in self.config.block_peers:
+            return "blocked"
         # the output, in the step's encoding, and the step's attention mask if it had one
         push = messages.Push(first.session, first.step, first.tag, step.position, output.hidden, step.mask,
                              rest or None)

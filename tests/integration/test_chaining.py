@@ -13,7 +13,7 @@ import torch
 from client import peer_client
 from client.model import DistributedModelForCausalLM
 from swarm import messages, wire
-from swarm.errors import BadRequest
+from swarm.errors import BadRequest, NotServing
 from swarm.identity import Identity
 from swarm.integrity import push_tag
 from swarm.span import Span
@@ -156,3 +156,21 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
     info = loop.run(scenario(), timeout=60)
     assert info.pushes["received"] >= 1 and info.pushes["stale"] >= 3 and info.pushes["dropped"] >= 1
     assert info.pushes["forged"] == 2
+
+
+def test_a_peer_serves_no_one_it_blocks(chain_swarm, probe, loop, tiny_llama):
+    """`--block-peers`: the probe's client id gets `not_serving` for sessions and info alike."""
+    node, _ = probe
+    proc = chain_swarm.start_peer("blocking", tiny_llama, "--blocks", "0:2", "--block-peers", node.peer_id,
+                                  *PEER_OPTIONS)
+
+    async def scenario():
+        with pytest.raises(NotServing, match="does not serve you"):
+            await peer_client.PeerSession.open(node, proc.peer_id, MODEL_ID, Span(0, 2), max_length=16)
+        with pytest.raises(NotServing):
+            await peer_client.info(node, proc.peer_id)
+
+    try:
+        loop.run(scenario(), timeout=60)
+    finally:
+        chain_swarm.stop("blocking")

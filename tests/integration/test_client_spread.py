@@ -93,8 +93,9 @@ async def run_sessions(model) -> tuple[list[list[int]], list, dict[str, int]]:
 
 
 def test_concurrent_sessions_of_one_client_spread_over_replicas(replicas, wide_llama, expected):
+    # no checked outputs: their shadow sessions on the other replica would count in the peers' sessions too
     with DistributedModelForCausalLM.from_pretrained(wide_llama, replicas.bootstrap_addrs, model_id=MODEL_ID,
-                                                     route_seed=5) as model:
+                                                     route_seed=5, verify_fraction=0) as model:
         tokens, routes, infos = model.connection.run(run_sessions(model), timeout=180)
         assert not model.connection.client.own_load  # every session's load went with it
     assert all(t == expected.tolist() for t in tokens)
