@@ -10,6 +10,7 @@ peer from serving others. Events and their timings go to `PeerMetrics`; errors a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -159,6 +160,9 @@ class Servicer:
         async def serve(stream: Stream) -> None:
             if stream.remote in self.config.block_peers:
                 self._count(NotServing())
+                # its first message is read first: closing a stream with unread input would lose the answer
+                with contextlib.suppress(Exception):
+                    await self._receive(stream, 5.0)
                 await self._send(stream, messages.Error.of(NotServing("this peer does not serve you")).to_message())
                 return
             await handler(stream)
