@@ -218,6 +218,12 @@ async def keep_stepping(sessions: list[list], stop) -> int:
     return steps
 
 
+async def close_all(sessions: list) -> None:
+    import asyncio
+
+    await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+
+
 def fair(path: Path, args) -> list[str]:
     import asyncio
     import threading
@@ -262,16 +268,17 @@ def fair(path: Path, args) -> list[str]:
                 stop.set()
                 hog_steps = stepping.result(120)
                 left = len(sessions)
-                loop.run(asyncio.gather(*(e[0].close() for e in sessions), return_exceptions=True), timeout=60)
+                loop.run(close_all([e[0] for e in sessions]), timeout=60)
             finally:
                 loop.run(node.__aexit__(None, None, None), timeout=30)
     log(f"with the hog: first token {busy * 1e3:.0f} ms ({busy / idle:.2f}x)")
     return ["### Trust: an honest client beside a cache hog", "",
             f"Machine: {machine()}. Demo swarm (3 peers [0:10) [10:20) [20:30), default peer options) on 127.0.0.1; "
             f"time to first token of an honest client (4 greedy tokens, median of {args.runs}), on the idle swarm and "
-            f"while a hog holds {held} sessions ({args.hog_prompt}-token prompts at the peers' longest max length) and "
-            f"steps them one token at a time, round and round ({hog_steps} hog steps meanwhile; {held - left} of its "
-            "sessions reclaimed for the honest client).", "",
+            f"while a hog that opened {held} sessions (as many as the peers let it open; {args.hog_prompt}-token prompts "
+            "at the peers' longest max length) steps them one token at a time, round and round "
+            f"({hog_steps} hog steps meanwhile; by the end the peers had reclaimed {held - left} of them, for the "
+            "hog's own later sessions or for the honest client).", "",
             "| swarm | first token (ms) | vs idle |", "|---|---|---|",
             f"| idle | {idle * 1e3:.0f} | 1.00x |", f"| with the hog | {busy * 1e3:.0f} | {busy / idle:.2f}x |"]
 

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from swarm.errors import BadRequest, NoRoute, SwarmError
+from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError
 from swarm.span import Span
 from swarm.transport import describe_peer
 
@@ -106,8 +106,7 @@ class Attempts:
             self.proven_failures += 1
         else:
             self.unproven_failures += 1
-        liar = reason in ("chain_mismatch",)
-        self.policy.ban(peer, reason, LIAR_BAN_S if liar else None)
+        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, ChainMismatch) else None)
         logger.warning("blocks %s at peer %s failed (%s): rerouting", span, describe_peer(peer),
                        err if isinstance(err, SwarmError) else "no reply in time")
         if self.proven_failures > self.policy.max_retries or self.unproven_failures > UNPROVEN_ATTEMPTS:

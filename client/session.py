@@ -50,7 +50,7 @@ import torch
 
 from client.encodings import REPLAY_ENCODING, Encodings
 from client.chaining import ChainedSteps
-from client.failures import Attempts
+from client.failures import Attempts, reason_of
 from client.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, check_plausible, step_mask
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient
@@ -229,11 +229,8 @@ class InferenceSession(ChainedSteps):
                           f"position {back}: the session went back there", back)
 
     def _record_output(self, x: torch.Tensor, position: int) -> None:
-        key = self.client.num_blocks
-        if position:
-            self.history[key].append(x)
-        else:
-            self.history[key] = Inputs(x, self.max_length)
+        """Keep the route's output at `position` (under key `num_blocks`), for the last hop's checks."""
+        self._keep(self.client.num_blocks, x, position)
 
     def _views(self, span):
         if not any(link.hop.span == span for link in self.links):
@@ -272,7 +269,7 @@ class InferenceSession(ChainedSteps):
                     await self._open(link, position, mask)
                 out = await self._step(link, x, position, mask, encoding)
             except (asyncio.TimeoutError, SwarmError) as e:
-                reason = getattr(e, "code", "timeout")
+                reason = reason_of(e)
                 if self._expired(link, reason):
                     # the peer reclaimed our idle session (or dropped its stream): reopen there once, no ban
                     logger.info("session at peer %s for blocks %s expired (%s): reopening it there",
@@ -453,8 +450,10 @@ class InferenceSession(ChainedSteps):
 
     def _record(self, i: int, x: torch.Tensor, position: int) -> None:
         """Keep `x`, the input of link `i` at `position`, for a replacement peer's replay."""
-        start = self.links[i].hop.span.start
+        self._keep(self.links[i].hop.span.start, x, position)
+
+    def _keep(self, boundary: int, x: torch.Tensor, position: int) -> None:
         if position:
-            self.history[start].append(x)
+            self.history[boundary].append(x)
         else:
-            self.history[start] = Inputs(x, self.max_length)
+            self.history[boundary] = Inputs(x, self.max_length)

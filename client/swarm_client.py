@@ -29,7 +29,7 @@ import torch
 from client import peer_client
 from client.config import ClientConfig
 from client.encodings import Encodings, choose_encodings
-from client.failures import FailurePolicy
+from client.failures import FailurePolicy, reason_of
 from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
 from swarm import discovery, placement
@@ -120,7 +120,7 @@ class SwarmClient:
             await asyncio.wait_for(peer_client.info(self.node, peer, timeout=self.config.ping_timeout),
                                    self.config.ping_timeout)
         except (asyncio.TimeoutError, SwarmError) as e:
-            self.ban(peer, getattr(e, "code", "timeout"))
+            self.ban(peer, reason_of(e))
             return None
         rtt = (time.perf_counter() - started) * 1e3
         self.measurements.ping(peer, rtt)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from client.encodings import REPLAY_ENCODING
+from client.failures import reason_of
 from client.peer_client import PeerSession
 from client.routing import Hop
 from swarm.errors import SwarmError
@@ -180,9 +181,8 @@ class Verifier:
                                          self.client.deadline(shadow.hop, x.shape[0] * x.shape[1]))
         except (asyncio.TimeoutError, SwarmError) as e:
             # the checker failed, not the hop: another replica checks next time
-            logger.info("checking blocks %s at peer %s failed (%s)", span, describe_peer(shadow.hop.peer),
-                        getattr(e, "code", "timeout"))
-            self.client.ban(shadow.hop.peer, getattr(e, "code", "timeout"))
+            logger.info("checking blocks %s at peer %s failed (%s)", span, describe_peer(shadow.hop.peer), reason_of(e))
+            self.client.ban(shadow.hop.peer, reason_of(e))
             if self.shadows.get(span) is shadow:
                 self.drop(span)
             return
