@@ -15,7 +15,7 @@ from client import peer_client
 from client.model import DistributedModelForCausalLM
 from swarm import discovery
 from swarm.blocks import SpanBlocks
-from swarm.errors import Busy, OutOfCache, UnknownSession
+from swarm.errors import Busy, OutOfCache, SwarmError, UnknownSession
 from swarm.span import Span
 from swarm_harness import MODEL_ID, LocalSwarm, client_node, wait_until
 
@@ -49,7 +49,7 @@ class Hog:
         self.sessions: list[peer_client.PeerSession] = []
         self.refused: Exception | None = None
         self.reclaimed = 0
-        self.forwards = 0
+        self.forwards = self.failed_forwards = 0
 
     async def fill(self) -> None:
         for _ in range(8):
@@ -71,8 +71,14 @@ class Hog:
             await asyncio.sleep(0.1)
 
     async def flood(self, stop: asyncio.Event) -> None:
+        """Large forwards, one after another; a hog goes on whatever answer it gets."""
         while not stop.is_set():
-            await peer_client.forward(self.node, self.peer, MODEL_ID, ALL, torch.randn(8, 512, 64))
+            try:
+                await peer_client.forward(self.node, self.peer, MODEL_ID, ALL, torch.randn(8, 512, 64))
+            except SwarmError:
+                self.failed_forwards += 1
+                await asyncio.sleep(0.05)
+                continue
             self.forwards += 1
 
 
