@@ -25,6 +25,7 @@ Writes its tables into docs/benchmarks.md between its markers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import statistics
 import sys
@@ -79,11 +80,14 @@ def verify(path: Path, args) -> list[str]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-trust-") as root, LocalSwarm(Path(root)) as net:
         start(net, path, {"a": ("-m", "swarm.cli"), "b": ("-m", "swarm.cli")})
-        for fraction in args.fractions:
-            rates, decodes, ttfts, lags = [], [], [], []
-            with client(net, path, verify_fraction=fraction) as model:
+        with contextlib.ExitStack() as stack:  # one client per fraction; runs interleaved, so drift hits all alike
+            models = {f: stack.enter_context(client(net, path, verify_fraction=f)) for f in args.fractions}
+            got = {f: ([], [], [], []) for f in args.fractions}  # rates, decodes, first tokens, lags
+            for model in models.values():
                 model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm: routes, streams
-                for _ in range(args.runs):
+            for _ in range(args.runs):
+                for fraction, model in models.items():
+                    rates, decodes, ttfts, lags = got[fraction]
                     streamer = TimedStreamer(tokenizer, out=io.StringIO())
                     made: list[float] = []  # when each token's logits came
 
@@ -100,6 +104,8 @@ def verify(path: Path, args) -> list[str]:
                     decodes.append(stats["tokens_per_s"])
                     ttfts.append(stats["ttft_s"])
                     lags.append(streamer.times[-1] - made[-1])
+        for fraction in args.fractions:
+            rates, decodes, ttfts, lags = got[fraction]
             rows.append((fraction, statistics.median(rates), statistics.median(ttfts), statistics.median(lags),
                          statistics.median(decodes)))
             log(f"fraction {fraction}: {rows[-1][1]:.1f} tokens/s, first token {rows[-1][2] * 1e3:.0f} ms")
@@ -107,7 +113,7 @@ def verify(path: Path, args) -> list[str]:
     lines = ["### Trust: the cost of checked outputs", "",
              f"Machine: {machine()}. Demo model on a bootstrap and 2 peers each serving all 30 blocks (one core "
              f"each) on 127.0.0.1, so every hop has a replica to check against; {args.tokens} greedy tokens, "
-             f"median of {args.runs} runs; times as a streamer receives the tokens (checked output only). "
+             f"median of {args.runs} runs, interleaved across fractions; times as a streamer receives the tokens (checked output only). "
              "Overall tokens/s counts from the request to the last token (first token and final check "
              "included); decode tokens/s from the first token to the last. Both peers and the client share this "
              "machine's 2 cores, so a replica's checking takes CPU from the route and the client: an upper "
@@ -290,7 +296,7 @@ def main() -> None:
     parser.add_argument("--hog-prompt", type=int, default=256)
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.1, 0.25, 1.0])
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--max-steps", type=int, default=64)
     args = parser.parse_args()

@@ -50,7 +50,7 @@ class ClientConfig:
     allow_peers: tuple[str, ...] = option((), metavar="PEER_ID", help="route only through these peers (ids as "
                                           "`swarm status` shows them); records of any other peer are ignored "
                                           "(default: any peer)")
-    verify_fraction: float = option(0.25, metavar="P", help="after each step, each hop is checked against another "
+    verify_fraction: float = option(0.1, metavar="P", help="after each step, each hop is checked against another "
                                     "replica of its blocks with this probability (everything since its last check "
                                     "is compared; 0: no checks); users see only checked output")
 

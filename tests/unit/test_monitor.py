@@ -107,7 +107,8 @@ class StoredRecords:
 
 def test_directory_reads_every_bucket_at_once_and_skips_misplaced_records():
     first, second, misplaced = IDS[:3]
-    elsewhere = next(k for k in records.DIRECTORY_KEYS if k != records.directory_key(misplaced.peer_id))
+    taken = {records.directory_key(i.peer_id) for i in (first, second, misplaced)}
+    elsewhere = next(k for k in records.DIRECTORY_KEYS if k not in taken)  # a bucket no one here belongs in
     node = StoredRecords({records.directory_key(first.peer_id): [(first, ann(first, 0, 3))],
                           records.directory_key(second.peer_id): [(second, ann(second, 3, 6))],
                           elsewhere: [(misplaced, ann(misplaced))]})  # DHT nodes refuse it; a reader skips it too
