@@ -1,9 +1,14 @@
-"""`swarm api`: an OpenAI-compatible HTTP API whose model runs in the swarm.
+"""`swarm api`: an OpenAI-compatible HTTP API whose model runs in the swarm. This module is the server:
+routes, admission (generation slots and queue), connection guards, metrics and the process.
 
-Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
-(the model's chat template), with `stream: true` as server-sent events in OpenAI's chunk format, and
-`GET /metrics` (Prometheus). One process, one event loop: the HTTP server, a client-mode DHT node and
-every generation (`client.generation`) share it; the head runs in a small thread pool.
+Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (one or more prompts),
+`POST /v1/chat/completions` (the model's chat template), `POST /v1/embeddings`, vLLM's tokenizer endpoints
+(`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`) and `GET /metrics` (Prometheus). Its parts:
+`client.api_requests` parses requests into typed values once (and `Sampling` at one boundary),
+`client.api_responses` shapes the answers, `client.api_stream` runs a request's generations and streams
+them, `client.api_embeddings` and `client.api_tokenizer` serve their endpoints. One process, one event
+loop: the HTTP server, a client-mode DHT node (`client.connection.joined`, as every client joins) and every
+generation (`client.generation`) share it; the head runs in a small thread pool.
 
 A generation whose blocks lost their last peer waits for them (`ClientConfig.wait_for_blocks`); a
 stream that has started meanwhile gets an SSE comment (`: waiting for blocks ...`) every
@@ -15,9 +20,9 @@ time, 413 an oversize body, 503 with `Retry-After` when some blocks have no live
 generation slot and queue place is taken, 500 for a bug (logged). A failure after a stream has started
 is sent as a final `data: {"error": ...}` event.
 
-Limits: `max_generations` run at once and `max_queue` more wait for a slot; the connection guards of
-`swarm.http` (header deadline, connection cap with eviction, body deadline and size). A client that
-disconnects cancels its request's task, which closes its peer sessions (`Generation.run`).
+Limits: `max_generations` requests run at once (a request's prompts together) and `max_queue` more wait for
+a slot; the connection guards of `swarm.http` (header deadline, connection cap with eviction, body deadline
+and size). A client that disconnects cancels its request's task, which closes its peer sessions.
 """
 
 from __future__ import annotations
@@ -35,14 +40,17 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from client.api_requests import (CHARS_PER_TOKEN, ApiError, checked_text, invalid, parse_common,
-                                 parse_messages)
+from client import api_embeddings, api_tokenizer
+from client.api_requests import CHARS_PER_TOKEN, ApiError, Common, invalid, parse_chat, parse_completion
 from client.api_responses import ResponseBodies
+from client.api_stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
-from client.generation import Generation, Sampling, stop_token_ids
+from client.generation import Generation, stop_token_ids
+from client.sampling import Sampling
+from client.connection import joined, require_peers
 from client.swarm_client import SwarmClient
 from swarm import http, metrics
-from swarm.errors import ConfigError, NoRoute, SwarmError
+from swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +115,10 @@ class Gateway:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         metrics.add_route(app, self.registry)
         return app
 
@@ -164,6 +176,17 @@ class Gateway:
         return response
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object, for the served model."""
+        body = await self._json(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise invalid("model", "'model' is required: a string naming the model")
+        if model != self.model_id:
+            raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+        return body
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
         try:
             raw = await http.read_body(request, self.limits)
         except asyncio.TimeoutError:
@@ -175,12 +198,6 @@ class Gateway:
             raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise invalid("model", "'model' is required: a string naming the model")
-        if model != self.model_id:
-            raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
         return body
 
     async def _tokenize(self, chars: int, param: str, fn: Callable) -> list[int]:
@@ -189,20 +206,19 @@ class Gateway:
                            f"{param} has {chars} characters", param=param, code="context_length_exceeded")
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn)
 
-    def _sized(self, sampling: Sampling, prompt: list[int], default_max: int, body: dict, param: str) -> Sampling:
-        """`sampling` with max_tokens settled (`default_max` if not given), after checking the prompt
-        against the context length."""
+    def _max_tokens(self, common: Common, prompt: list[int], default_max: int, param: str) -> int:
+        """The completion's max_tokens (`default_max` if not given, at most what the context leaves), after
+        checking the prompt against the context length."""
         room = self.context_length - len(prompt)
         if room < 1:
             raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
                            f"{param} has {len(prompt)}", param=param, code="context_length_exceeded")
-        max_tokens = sampling.max_tokens or min(default_max, room)
+        max_tokens = common.max_tokens if common.max_tokens is not None else min(default_max, room)
         if max_tokens > room:
-            given = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; you asked "
                            f"for {len(prompt) + max_tokens} ({len(prompt)} in the {param}, {max_tokens} in the "
-                           "completion)", param=given, code="context_length_exceeded")
-        return Sampling(**{**sampling.__dict__, "max_tokens": max_tokens})
+                           "completion)", param=common.max_tokens_param, code="context_length_exceeded")
+        return max_tokens
 
     # ---- endpoints ----
 
@@ -220,42 +236,89 @@ class Gateway:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        sampling, stream, include_usage = parse_common(body, self.config)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            checked_text(prompt, "prompt")
-            ids = await self._tokenize(len(prompt), "prompt", lambda: self.tokenizer(prompt).input_ids)
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            if not all(0 <= t < self.head.vocab_size for t in prompt):
-                raise invalid("prompt", f"token ids must lie in [0, {self.head.vocab_size})")
-            ids = prompt
-        else:
-            raise invalid("prompt", "'prompt' must be a string, a list of token ids, or a list holding one of these")
-        if not ids:
-            raise invalid("prompt", "the prompt is empty")
-        sampling = self._sized(sampling, ids, 16, body, "prompt")  # OpenAI's default max_tokens for completions
-        return await self._generate(request, "text_completion", ids, sampling, stream, include_usage)
+        req = parse_completion(body, self.config, self.head.vocab_size)
+        prompts = []
+        for i, prompt in enumerate(req.prompts):
+            param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = await self._tokenize(len(prompt), param, lambda p=prompt: self.tokenizer(p).input_ids)
+                if not ids:
+                    raise invalid(param, "the prompt is empty")
+            else:
+                ids = list(prompt)
+            prompts.append((ids, self._max_tokens(req.common, ids, 16, param)))  # OpenAI's default for completions
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(list(p)) for p in req.prompts]
+        bodies = ResponseBodies("text_completion", self.model_id, req.common.sampling.n, self.tokenizer,
+                                logprobs=req.logprobs, echo=echo)
+        samplings = [req.common.settled(max_tokens, logprobs=req.logprobs,
+                                        prompt_logprobs=req.echo and req.logprobs is not None)
+                     for _, max_tokens in prompts]
+        return await self._generate(request, bodies, [ids for ids, _ in prompts], samplings, req.common)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        sampling, stream, include_usage = parse_common(body, self.config)
-        messages = parse_messages(body)
+        req = parse_chat(body, self.config)
         if not self.tokenizer.chat_template:
             raise ApiError(400, f"the model '{self.model_id}' has no chat template: use /v1/completions",
                            code="no_chat_template")
-        chars = sum(len(m["content"]) for m in messages)
-        ids = await self._tokenize(chars, "messages", lambda: self._chat_ids(messages))
-        sampling = self._sized(sampling, ids, self.config.max_tokens, body, "messages")
-        return await self._generate(request, "chat.completion", ids, sampling, stream, include_usage)
+        chars = sum(len(m["content"]) for m in req.messages)
+        ids = await self._tokenize(chars, "messages", lambda: self._chat_ids(req.messages))
+        max_tokens = self._max_tokens(req.common, ids, self.config.max_tokens, "messages")
+        bodies = ResponseBodies("chat.completion", self.model_id, req.common.sampling.n, self.tokenizer,
+                                logprobs=req.logprobs)
+        return await self._generate(request, bodies, [ids], [req.common.settled(max_tokens, logprobs=req.logprobs)],
+                                    req.common)
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    async def embeddings(self, request: web.Request) -> web.Response:
+        req = api_embeddings.parse_embeddings(await self._body(request), self.head.vocab_size)
+        ids = []
+        for i, item in enumerate(req.inputs):
+            param = "input" if len(req.inputs) == 1 else f"input[{i}]"
+            tokens = list(item) if not isinstance(item, str) else await self._tokenize(
+                len(item), param, lambda t=item: self.tokenizer(t).input_ids)
+            if not 0 < len(tokens) <= self.context_length:
+                raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
+                               f"{param} has {len(tokens)}", param=param, code="context_length_exceeded")
+            ids.append(tokens)
+        await self._slot()
+        self.running += 1
+        try:
+            vectors = await api_embeddings.embed_all(self.client, self.head, self.executor, ids)
+        except SwarmError as e:
+            raise api_error(e, self.config.retry_after) from None
+        finally:
+            self.running -= 1
+            self.slots.release()
+        self.m_tokens.labels("prompt").inc(sum(map(len, ids)))
+        return web.json_response(api_embeddings.answer(self.model_id, vectors, req.base64, sum(map(len, ids))))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        kind, what, flag, strs = api_tokenizer.tokenize_request(await self._json(request), self.model_id)
+        if kind == "messages":
+            if not self.tokenizer.chat_template:
+                raise ApiError(400, f"the model '{self.model_id}' has no chat template", code="no_chat_template")
+            ids = await self._tokenize(sum(len(m["content"]) for m in what), "messages",
+                                       lambda: self._chat_ids(what, add_generation_prompt=flag))
+        else:
+            ids = await self._tokenize(len(what), "prompt",
+                                       lambda: self.tokenizer(what, add_special_tokens=flag).input_ids)
+        return web.json_response(api_tokenizer.tokenize_answer(self.tokenizer, ids, self.context_length, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return web.json_response(api_tokenizer.detokenize(await self._json(request), self.model_id, self.tokenizer,
+                                                          self.head.vocab_size))
+
+    async def tokenizer_info(self, _request: web.Request) -> web.Response:
+        return web.json_response(api_tokenizer.tokenizer_info(self.tokenizer, self.context_length))
+
+    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         from jinja2 import TemplateError
 
         try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True)["input_ids"])
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                           tokenize=True, return_dict=True)["input_ids"])
         except (TemplateError, ValueError, TypeError) as e:  # templates refuse, e.g., a system role
             raise invalid("messages", f"the model's chat template refused these messages: {e}") from None
 
@@ -272,74 +335,84 @@ class Gateway:
         finally:
             self.waiting -= 1
 
-    async def _generate(self, request: web.Request, kind: str, prompt: list[int], sampling: Sampling,
-                        stream: bool, include_usage: bool) -> web.StreamResponse:
-        endpoint = "/v1/chat/completions" if kind == "chat.completion" else "/v1/completions"
+    async def _generate(self, request: web.Request, bodies: ResponseBodies, prompts: list[list[int]],
+                        samplings: list[Sampling], common: Common) -> web.StreamResponse:
+        endpoint = "/v1/chat/completions" if bodies.chat else "/v1/completions"
         await self._slot()
         self.running += 1
         started = time.perf_counter()
-        gen = Generation(self.client, self.head, self.tokenizer, self.executor, prompt, sampling, self.end_tokens)
-        events = gen.run()
+        gens = [Generation(self.client, self.head, self.tokenizer, self.executor, ids, sampling, self.end_tokens)
+                for ids, sampling in zip(prompts, samplings)]
+        runs = Runs(gens)
         try:
             try:
-                return await self._respond(request, gen, events, ResponseBodies(kind, self.model_id, sampling.n), stream,
-                                           include_usage)
+                return await self._respond(request, runs, bodies, common.stream, common.include_usage)
             finally:
                 self.running -= 1
                 self.slots.release()
-                await events.aclose()  # ends the generation; its peer sessions close in `gen.closing`
-                if gen.closing is not None:
-                    self.closing.add(gen.closing)
-                    gen.closing.add_done_callback(self.closing.discard)
-        except (asyncio.CancelledError, _ClientGone) as e:
+                await runs.close()
+                for gen in gens:
+                    if gen.closing is not None:
+                        self.closing.add(gen.closing)
+                        gen.closing.add_done_callback(self.closing.discard)
+        except (asyncio.CancelledError, ClientGone) as e:
             self.m_cancelled.inc()
             logger.info("%s: client went away after %d tokens (%s); generation cancelled", endpoint,
-                        gen.completion_tokens, e if isinstance(e, _ClientGone) else "disconnected")
+                        sum(g.completion_tokens for g in gens), e if isinstance(e, ClientGone) else "disconnected")
             raise
         finally:
             self.m_seconds.labels(endpoint).observe(time.perf_counter() - started)
-            self.m_tokens.labels("prompt").inc(gen.prompt_tokens)
-            self.m_tokens.labels("completion").inc(gen.completion_tokens)
-            for f in gen.failovers:
+            self.m_tokens.labels("prompt").inc(sum(g.prompt_tokens for g in gens))
+            self.m_tokens.labels("completion").inc(sum(g.completion_tokens for g in gens))
+            failovers = [f for g in gens for f in g.failovers]
+            for f in failovers:
                 self.m_failovers.labels(f.reason).inc()
             logger.info("%s: %d prompt + %d completion tokens in %.2f s (first token %.2f s)%s", endpoint,
-                        gen.prompt_tokens, gen.completion_tokens, time.perf_counter() - started,
-                        gen.first_token_s or 0.0, f", {len(gen.failovers)} failovers" if gen.failovers else "")
+                        sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
+                        time.perf_counter() - started, max(g.first_token_s or 0.0 for g in gens),
+                        f", {len(failovers)} failovers" if failovers else "")
 
     def _timed(self, last: list[float]) -> None:
         now = time.perf_counter()
         self.m_token_seconds.observe(now - last[0])
         last[0] = now
 
-    async def _respond(self, request: web.Request, gen: Generation, events, out: ResponseBodies, stream: bool,
+    async def _respond(self, request: web.Request, runs: Runs, out: ResponseBodies, stream: bool,
                        include_usage: bool) -> web.StreamResponse:
-        try:  # the prompt runs before any header is sent, so its errors keep their status
-            first = await anext(events, [])
-            self.m_ttft.observe(gen.first_token_s or 0.0)
-            last = [time.perf_counter()]
+        try:  # every prompt runs before any header is sent, so its errors keep their status
+            first = await runs.first()
+            self.m_ttft.observe(max(g.first_token_s or 0.0 for g in runs.gens))
             if not stream:
-                async for _ in events:
-                    self._timed(last)
-                return web.json_response(out.whole(gen))
+                await runs.drain()
+                return web.json_response(out.whole(runs.gens))
         except SwarmError as e:
-            raise _api_error(e, self.config.retry_after) from None
+            raise api_error(e, self.config.retry_after) from None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no", **self._cors()})
         await response.prepare(request)
         request[STREAMING] = True
-        writer = _Writer(request, response, self.config.write_timeout)
+        writer = Writer(request, response, self.config.write_timeout)
+        last = [time.perf_counter()]
         try:
-            for chunk in out.opening() + out.chunks(first):
+            for chunk in out.opening(runs.gens) + [c for p, deltas in first for c in out.chunks(p, deltas)]:
                 await writer.send(chunk)
-            while (deltas := await self._next(events, gen, writer)) is not None:
+            for _ in range(10_000_000):  # bounded; each round waits for a step or a keepalive
+                made = await runs.next(self.keepalive_s)
+                if made is None:
+                    break
+                if not made:
+                    if runs.waiting:  # a generation waits for blocks: keep the connection open
+                        await writer.send_raw(f": {runs.waiting}\n\n".encode())
+                    continue
                 self._timed(last)
-                for chunk in out.chunks(deltas):
-                    await writer.send(chunk)
+                for p, deltas in made:
+                    for chunk in out.chunks(p, deltas):
+                        await writer.send(chunk)
             if include_usage:
-                await writer.send(out.usage_chunk(gen))
+                await writer.send(out.usage_chunk(runs.gens))
         except SwarmError as e:  # the stream has started: the error goes in it
-            await writer.send(_api_error(e, self.config.retry_after).body())
-        except (_ClientGone, asyncio.CancelledError):
+            await writer.send(api_error(e, self.config.retry_after).body())
+        except (ClientGone, asyncio.CancelledError):
             raise
         except Exception:  # boundary: a bug ends this stream with an error event; the server keeps serving
             logger.exception("%s failed during its stream", request.path)
@@ -347,56 +420,6 @@ class Gateway:
         await writer.send_raw(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-    async def _next(self, events, gen: Generation, writer: _Writer) -> list | None:
-        """The next deltas of a started stream (None at its end); while the generation waits for blocks to be
-        served again, an SSE comment every `keepalive_s` keeps the connection open."""
-        task = asyncio.ensure_future(anext(events, None))
-        try:
-            for _ in range(1_000_000):  # bounded; a wait for blocks ends within `wait_for_blocks` anyway
-                done, _pending = await asyncio.wait({task}, timeout=self.keepalive_s)
-                if done:
-                    return task.result()
-                if gen.waiting:
-                    await writer.send_raw(f": {gen.waiting}\n\n".encode())
-            raise RuntimeError("a generation step never ended")
-        finally:
-            if not task.done():  # the client went away or we were cancelled: the step goes too
-                task.cancel()
-                await asyncio.wait({task})
-
-
-class _ClientGone(Exception):
-    """The client of a stream stopped reading or went away."""
-
-
-class _Writer:
-    """Writes server-sent events; a client that takes more than `timeout` seconds to accept one (it
-    stopped reading) is cut off, so it cannot hold a generation slot and peer sessions forever."""
-
-    def __init__(self, request: web.Request, response: web.StreamResponse, timeout: float):
-        self.request, self.response, self.timeout = request, response, timeout
-
-    async def send(self, data: dict[str, Any]) -> None:
-        await self.send_raw(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
-
-    async def send_raw(self, data: bytes) -> None:
-        try:
-            await asyncio.wait_for(self.response.write(data), self.timeout)
-        except (asyncio.TimeoutError, ConnectionError) as e:
-            if self.request.transport is not None:
-                self.request.transport.abort()
-            raise _ClientGone("it stopped reading" if isinstance(e, asyncio.TimeoutError) else "connection lost") \
-                from None
-
-
-def _api_error(err: SwarmError, retry_after: int) -> ApiError:
-    if isinstance(err, NoRoute):
-        return ApiError(503, str(err), type="service_unavailable", code="no_route",
-                        headers={"Retry-After": str(retry_after)})
-    if err.code == "bad_request":
-        return ApiError(400, str(err), code="bad_request")
-    return ApiError(502, f"the swarm failed: {err}", type="server_error", code=err.code)
 
 
 # ---- the process ----
@@ -413,13 +436,10 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
 
     from swarm.checkpoint import Checkpoint
     from swarm.head import ModelHead
-    from swarm.identity import Identity
     from swarm.precision import Precision
     from swarm.records import default_model_id
-    from swarm.transport import Node
 
-    if not client_config.initial_peers:
-        raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
+    require_peers(client_config)  # before the head loads
     loop = asyncio.get_running_loop()
     ckpt = await loop.run_in_executor(None, Checkpoint, path)
     model_id = client_config.model_id or default_model_id(path)
@@ -428,8 +448,7 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
     generation_config = GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").exists() \
         else None
-    async with Node(Identity.generate(), initial_peers=client_config.initial_peers, client_mode=True) as node:
-        client = SwarmClient(node, model_id, ckpt.num_blocks, client_config)
+    async with joined(model_id, ckpt.num_blocks, client_config) as client:
         gateway = Gateway(config, client, head, tokenizer, model_id, context_length_of(ckpt.config, config.context_length),
                           stop_token_ids(tokenizer, generation_config))
         try:

@@ -3,14 +3,16 @@ sampling), and `ApiError`, the OpenAI error object every refusal becomes. Pure: 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from client.config import ApiConfig
-from client.generation import Sampling
+from client.sampling import Sampling
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -113,9 +115,22 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
-def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
-    """Sampling parameters (max_tokens left 0 when not given), whether to stream, whether to add usage
-    to the stream."""
+@dataclass(frozen=True)
+class Common:
+    """What every generation request shares. `max_tokens` None: not given (the endpoint's default applies)."""
+
+    sampling: Sampling  # max_tokens not settled yet (0)
+    max_tokens: int | None
+    max_tokens_param: str
+    stream: bool
+    include_usage: bool
+
+    def settled(self, max_tokens: int, **fields) -> Sampling:
+        return dataclasses.replace(self.sampling, max_tokens=max_tokens, **fields)
+
+
+def parse_common(body: dict, config: ApiConfig, min_tokens: int = 1) -> Common:
+    """Sampling parameters, whether to stream, whether to add usage to the stream."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise invalid("stream", "'stream' must be a boolean")
@@ -126,10 +141,11 @@ def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
         raise invalid("stream_options", "'stream_options.include_usage' must be a boolean")
     include_usage = bool(stream and options and options.get("include_usage"))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, param, 1, config.max_tokens, " (this server's limit)")
+    max_tokens = _integer(body, param, min_tokens, config.max_tokens, " (this server's limit)")
     seed = _integer(body, "seed", -2**63, 2**63 - 1)
+    top_k = _integer(body, "top_k", -1, 1 << 30)
     sampling = Sampling(
-        max_tokens=max_tokens or 0,
+        max_tokens=0,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         n=_integer(body, "n", 1, config.max_n, " (this server's limit)") or 1,
@@ -137,12 +153,78 @@ def parse_common(body: dict, config: ApiConfig) -> tuple[Sampling, bool, bool]:
         seed=None if seed is None else seed % 2**63,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        top_k=max(top_k or 0, 0),  # -1 and 0: off, as vLLM reads them
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
     )
-    _unsupported(body, {"logprobs": lambda v: not v, "top_logprobs": lambda v: v in (None, 0),
-                        "echo": lambda v: not v, "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
+    _unsupported(body, {"best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
                         "logit_bias": lambda v: not v, "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
                         "functions": lambda v: not v, "response_format": lambda v: v in (None, {"type": "text"})})
-    return sampling, bool(stream), include_usage
+    return Common(sampling, max_tokens, param, bool(stream), include_usage)
 
 
-# ---- the gateway ----
+@dataclass(frozen=True)
+class CompletionRequest:
+    """`/v1/completions`: one or more prompts, each a string or token ids."""
+
+    prompts: tuple[str | tuple[int, ...], ...]
+    common: Common
+    echo: bool
+    logprobs: int | None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """`/v1/chat/completions`."""
+
+    messages: list[dict[str, str]]
+    common: Common
+    logprobs: int | None  # None: not asked; k: each token's and the k most likely (`top_logprobs`)
+
+
+def _prompts(body: dict, config: ApiConfig, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    prompt = body.get("prompt")
+    shape = "'prompt' must be a string, a list of token ids, or a list of these"
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise invalid("prompt", shape)
+    if len(prompts) > config.max_prompts:
+        raise invalid("prompt", f"at most {config.max_prompts} prompts per request (this server's limit), got "
+                      f"{len(prompts)}")
+    out: list[str | tuple[int, ...]] = []
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            out.append(checked_text(p, where))
+        elif p and all(type(t) is int for t in p):
+            if not all(0 <= t < vocab_size for t in p):
+                raise invalid(where, f"the {where}'s token ids must lie in [0, {vocab_size})")
+            out.append(tuple(p))
+        else:
+            raise invalid(where, shape if p else "the prompt is empty")
+    return tuple(out)
+
+
+def parse_completion(body: dict, config: ApiConfig, vocab_size: int) -> CompletionRequest:
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) and echo is not None:
+        raise invalid("echo", "'echo' must be a boolean")
+    logprobs = _integer(body, "logprobs", 0, config.max_logprobs, " (this server's limit)")  # a count here
+    common = parse_common(body, config, min_tokens=0 if echo else 1)  # echo with max_tokens 0 scores the prompt
+    return CompletionRequest(_prompts(body, config, vocab_size), common, bool(echo), logprobs)
+
+
+def parse_chat(body: dict, config: ApiConfig) -> ChatRequest:
+    common = parse_common(body, config)
+    wanted = body.get("logprobs", False)
+    if not isinstance(wanted, bool) and wanted is not None:
+        raise invalid("logprobs", "'logprobs' must be a boolean on /v1/chat/completions (top_logprobs: how many)")
+    top = _integer(body, "top_logprobs", 0, config.max_logprobs, " (this server's limit)")
+    if top and not wanted:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return ChatRequest(parse_messages(body), common, (top or 0) if wanted else None)
+
+

@@ -84,6 +84,10 @@ class ApiConfig:
     max_generations: int = option(8, help="generations running at once; more wait in the queue")
     max_queue: int = option(32, help="requests waiting for a generation slot; beyond that they get 503")
     max_n: int = option(4, help="the largest n (choices per request)")
+    max_prompts: int = option(16, help="prompts per completions request at most (they run at once, in one "
+                              "generation slot)")
+    max_logprobs: int = option(20, help="the most likely tokens a request may ask for at each position "
+                               "(logprobs, top_logprobs)")
     max_connections: int = option(512, help="open HTTP connections at most")
     header_timeout: float = option(10.0, help="seconds a connection may take to send a request's headers (and "
                                    "stay idle between requests)")
@@ -95,7 +99,7 @@ class ApiConfig:
                                       "(CORS), e.g. '*' for any (default: none)")
 
     def __post_init__(self) -> None:
-        check_positive(self, ("max_tokens", "max_generations", "max_queue", "max_n", "max_connections",
+        check_positive(self, ("max_tokens", "max_generations", "max_queue", "max_n", "max_prompts", "max_connections",
                               "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after"),
                        ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
         check_port(self.port, "--port")

@@ -1,4 +1,5 @@
-"""A client node joined to the swarm, driven from synchronous code.
+"""Joining a swarm as a client: `joined()`, the one way every client part does it (the SDK, the API
+gateway, the CLI), and `SwarmConnection`, a joined client driven from synchronous code.
 
 The SDK's blocking API runs every coroutine on one background event loop (`LoopThread`) that owns a
 client-mode DHT node and the `SwarmClient`. One per model object; `close()` (or `with`) stops both.
@@ -6,9 +7,10 @@ client-mode DHT node and the `SwarmClient`. One per model object; `close()` (or 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from client.config import ClientConfig
@@ -22,21 +24,34 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def require_peers(config: ClientConfig) -> None:
+    if not config.initial_peers:
+        raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
+
+
+@contextlib.asynccontextmanager
+async def joined(model_id: str, num_blocks: int, config: ClientConfig) -> AsyncIterator[SwarmClient]:
+    """A `SwarmClient` for `model_id` over a fresh client-mode node (a new identity), for the block."""
+    require_peers(config)
+    async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True) as node:
+        yield SwarmClient(node, model_id, num_blocks, config)
+
+
 class SwarmConnection:
     def __init__(self, model_id: str, num_blocks: int, config: ClientConfig):
-        if not config.initial_peers:
-            raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
+        require_peers(config)
         self.config = config
         self._loop = LoopThread("swarm-client")
         self._loop.__enter__()
-        self.node = Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True)
+        self._stack = contextlib.AsyncExitStack()
         try:
-            self._loop.run(self.node.__aenter__(), timeout=120)
+            self.client = self._loop.run(self._stack.enter_async_context(joined(model_id, num_blocks, config)),
+                                         timeout=120)
         except BaseException:
             self._loop.__exit__(None, None, None)
             raise
-        self.client = SwarmClient(self.node, model_id, num_blocks, config)
-        self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self.node)
+        self.node = self.client.node
+        self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self._stack)
 
     @property
     def longest_wait(self) -> float:
@@ -51,9 +66,9 @@ class SwarmConnection:
         self._finalizer()
 
     @staticmethod
-    def _shutdown(loop: LoopThread, node: Node) -> None:
+    def _shutdown(loop: LoopThread, stack: contextlib.AsyncExitStack) -> None:
         try:
-            loop.run(node.__aexit__(None, None, None), timeout=30)
+            loop.run(stack.aclose(), timeout=30)
         except Exception:  # closing anyway: the reaper stops the daemon if this process exits
             logger.debug("client node did not stop cleanly", exc_info=True)
         loop.__exit__(None, None, None)

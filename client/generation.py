@@ -5,10 +5,9 @@ many generations on one event loop, each cancellable at any await (a client that
 this module drives an `InferenceSession` directly: the prompt is one step, then one token per step.
 The head (embeddings, LM head) and sampling run in a thread pool, so the event loop keeps serving.
 
-Sampling follows the usual definitions, in this order: presence and frequency penalties over the
-tokens generated so far, temperature, nucleus (top-p). Temperature 0 is greedy: the argmax, the
-same token transformers' greedy search picks from the same logits. A seed makes sampling
-reproducible (choice i uses seed + i).
+Tokens are chosen by `client.sampling.Sampler` (transformers' logits processors); when asked, each
+token's log-probability comes with it (`Sampling.logprobs`), and the prompt's own tokens are scored from
+the prompt step's outputs (`Sampling.prompt_logprobs`). `max_tokens` 0 only scores the prompt.
 
 Text and stop strings: text is decoded incrementally, the way streaming servers do it: each new token
 is decoded together with the few tokens before it (the prompt's last tokens at first), and only what
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -31,22 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
 from client.session import Failover, InferenceSession
 from client.swarm_client import SwarmClient
 from swarm.errors import Rewound, SwarmError
 from swarm.head import ModelHead
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -56,10 +43,10 @@ class Delta:
     index: int
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this delta adds, when log-probabilities were asked for
 
 
 CONTEXT_TOKENS = 6  # tokens decoded before a new one, so that its text is decoded in context
-MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by it would overflow)
 MAX_REWINDS = 8  # wrong outputs found in one generation before it gives up
 
 
@@ -73,6 +60,7 @@ class Choice:
     decoded: str = ""  # all text decoded so far
     text: str = ""  # the text given out so far (all of it once finished)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `ids`, when asked for
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
@@ -100,44 +88,6 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-class Sampler:
-    """Chooses the next token of each choice from its logits (see the module docstring)."""
-
-    def __init__(self, sampling: Sampling, vocab_size: int):
-        self.sampling = sampling
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        self.generators = [torch.Generator().manual_seed((seed + i) % 2**63) for i in range(sampling.n)]
-        self.penalized = bool(sampling.presence_penalty or sampling.frequency_penalty)
-        self.counts = torch.zeros(sampling.n, vocab_size) if self.penalized else None  # tokens chosen so far
-
-    @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor) -> list[int]:
-        """`logits` [n, vocab] -> one token per choice."""
-        s = self.sampling
-        logits = logits.float()
-        if self.penalized:
-            logits = logits - s.frequency_penalty * self.counts - s.presence_penalty * (self.counts > 0).float()
-        if not torch.isfinite(logits).all():
-            raise SwarmError("the swarm returned non-finite activations (a faulty peer, or an overflow in "
-                             "a half-precision peer)")
-        if s.temperature < MIN_TEMPERATURE:
-            tokens = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / s.temperature, dim=-1)
-            if s.top_p < 1.0:
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                # keep the smallest set of most likely tokens whose mass reaches top_p (the first always)
-                drop = sorted_probs.cumsum(-1) - sorted_probs >= s.top_p
-                drop[:, 0] = False
-                sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-            tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
-                                  for i, g in enumerate(self.generators)])
-        if self.penalized:
-            self.counts[torch.arange(len(tokens)), tokens] += 1
-        return tokens.tolist()
-
-
 class Generation:
     """One request's generation: `async for deltas in gen.run(): ...` (one list per token, maybe empty);
     afterwards the token counts, each choice's text and finish reason, and the session's `failovers`.
@@ -154,6 +104,7 @@ class Generation:
         self.first_token_s: float | None = None
         self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
         self.released = 0  # tokens whose deltas were given out
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when `sampling.prompt_logprobs`
         self.session: InferenceSession | None = None
 
     @property
@@ -178,8 +129,8 @@ class Generation:
         session rewinds, and the tokens after the wrong position are made again)."""
         s, prompt = self.sampling, len(self.prompt)
         started = time.perf_counter()
-        sampler = Sampler(s, self.head.vocab_size)
-        session = self.session = InferenceSession(self.client, prompt + s.max_tokens)
+        sampler = Sampler(s, self.head.vocab_size, self.prompt)
+        session = self.session = InferenceSession(self.client, prompt + max(s.max_tokens, 1))
         made: list[list[int]] = []  # each step's tokens, one per choice
         saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
         pending: list[list[Delta]] = []  # deltas of tokens made but not given out yet
@@ -187,12 +138,24 @@ class Generation:
         try:
             for _ in range(MAX_REWINDS + 1):
                 try:
+                    if s.max_tokens == 0:  # score the prompt only
+                        if s.prompt_logprobs and position < prompt:
+                            hidden = await self._in_pool(self.head.embed, ids, position)
+                            out = await session.step(hidden, position)
+                            await self._in_pool(self._score_prompt, out, position)
+                        await session.verify()
+                        for c in self.choices:
+                            c.finish_reason = "length"
+                        yield [Delta(c.index, "", "length") for c in self.choices]
+                        return
                     while len(made) < s.max_tokens and not all(c.finish_reason for c in self.choices):
                         hidden = await self._in_pool(self.head.embed, ids, position)
                         out = await session.step(hidden, position)
-                        tokens = await self._in_pool(self._next_tokens, sampler, out[:, -1])
+                        if s.prompt_logprobs and position < prompt:
+                            await self._in_pool(self._score_prompt, out, position)
+                        tokens, logprobs = await self._in_pool(self._next_tokens, sampler, out[:, -1])
                         made.append(tokens)
-                        pending.append(self._advance(tokens, last=len(made) == s.max_tokens))
+                        pending.append(self._advance(tokens, last=len(made) == s.max_tokens, logprobs=logprobs))
                         saved.append(self._save(sampler))
                         position, ids = prompt + len(made) - 1, torch.tensor(tokens, dtype=torch.int64)[:, None]
                         if out_now := self._release(pending, len(made), session.verified_length - prompt + 1):
@@ -216,6 +179,15 @@ class Generation:
             # response need not wait for it (the owner may wait for `closing` before shutting down)
             self.closing = asyncio.ensure_future(session.close())
 
+    def _score_prompt(self, out: torch.Tensor, position: int) -> None:
+        """Log-probabilities of the prompt's tokens after `position` that the outputs `out` [n, t, hidden] of
+        positions `position`... predict (the first prompt token has none: nothing predicts it)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt)
+        targets = self.prompt[position + 1:position + out.shape[1] + 1]
+        scored = score(self.head.logits, out[0, :len(targets)], targets, self.sampling.logprobs or 0)
+        self.prompt_logprobs[position + 1:position + 1 + len(scored)] = scored
+
     def _release(self, pending: list[list[Delta]], made: int, verified: int) -> list[Delta]:
         """The deltas of tokens up to `verified` (of `made`) not given out yet, merged per choice."""
         upto = max(self.released, min(made, verified))
@@ -225,22 +197,24 @@ class Generation:
         merged: dict[int, Delta] = {}
         for d in out:
             before = merged.get(d.index)
-            merged[d.index] = d if before is None else Delta(d.index, before.text + d.text, d.finish_reason)
+            merged[d.index] = d if before is None else Delta(d.index, before.text + d.text, d.finish_reason,
+                                                             before.logprobs + d.logprobs)
         return list(merged.values())
 
     def _save(self, sampler: Sampler) -> tuple:
-        return ([dataclasses.replace(c, ids=list(c.ids), context=list(c.context)) for c in self.choices],
-                [g.get_state() for g in sampler.generators], None if sampler.counts is None else sampler.counts.clone())
+        return [_copy(c) for c in self.choices], sampler.state()
 
     def _restore(self, sampler: Sampler, state: tuple) -> None:
-        choices, generators, counts = state
-        self.choices = [dataclasses.replace(c, ids=list(c.ids), context=list(c.context)) for c in choices]
-        for g, saved in zip(sampler.generators, generators):
-            g.set_state(saved)
-        sampler.counts = None if counts is None else counts.clone()
+        choices, sampler_state = state
+        self.choices = [_copy(c) for c in choices]
+        sampler.restore(sampler_state)
 
-    def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> list[int]:
-        return sampler(self.head.logits(hidden))
+    def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> tuple[list[int], list[TokenLogprob] | None]:
+        logits = self.head.logits(hidden)
+        tokens = sampler(logits)
+        if self.sampling.logprobs is None:
+            return tokens, None
+        return tokens, logprobs_of(logits, torch.tensor(tokens), self.sampling.logprobs)
 
     def _decode_next(self, choice: Choice, flush: bool) -> str:
         """The text the choice's newest context token adds; '' while it ends in an incomplete character
@@ -253,13 +227,15 @@ class Generation:
             return whole[len(prefix):]
         return ""
 
-    def _advance(self, tokens: list[int], last: bool) -> list[Delta]:
+    def _advance(self, tokens: list[int], last: bool, logprobs: list[TokenLogprob] | None = None) -> list[Delta]:
         stops = self.sampling.stop
         deltas = []
-        for choice, token in zip(self.choices, tokens):
+        for choice, token, logprob in zip(self.choices, tokens, logprobs or [None] * len(tokens)):
             if choice.finish_reason:
                 continue
             choice.ids.append(token)
+            if logprob is not None:
+                choice.logprobs.append(logprob)
             ended = token in self.end_tokens
             if not ended:
                 choice.context.append(token)
@@ -275,6 +251,11 @@ class Generation:
             new = text[len(choice.text):len(text) - (0 if finish else held_back(text, stops))]
             choice.text += new
             choice.finish_reason = finish
-            if new or finish:
-                deltas.append(Delta(choice.index, new, finish))
+            if new or finish or logprob is not None:
+                deltas.append(Delta(choice.index, new, finish, () if logprob is None else (logprob,)))
         return deltas
+
+
+def _copy(choice: Choice) -> Choice:
+    return dataclasses.replace(choice, ids=list(choice.ids), context=list(choice.context),
+                               logprobs=list(choice.logprobs))

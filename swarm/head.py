@@ -8,6 +8,7 @@ scaling and soft-capping on the way out. Only the tensors those calls use are re
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -75,6 +76,32 @@ class ModelHead(torch.nn.Module):
                                                         device=self.device),
                               position_ids=position_ids_for(batch, tokens, 0, None, self.device))
         return out.logits
+
+    @torch.inference_mode()
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads for the last layer's hidden states [batch, tokens, hidden]: the states after
+        the family's final norm (embeddings pool these). The head's forward stops there."""
+        me, captured = threading.get_ident(), []
+
+        def grab(module, args):
+            if threading.get_ident() == me:  # other threads may be computing logits meanwhile
+                captured.append(args[0])
+                raise _Captured
+
+        handle = self.lm_head.register_forward_pre_hook(grab)
+        try:
+            self.logits(hidden)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise CheckpointError(f"the {self.model_type} head never called its LM head")
+        return captured[0]
+
+
+class _Captured(Exception):  # noqa: N818 - control flow, never escapes `final_hidden`
+    pass
 
 
 def position_ids_for(batch: int, new_tokens: int, position: int, mask: torch.Tensor | None,

@@ -221,7 +221,8 @@ def test_concurrent_streams_are_served_at_the_same_time(oai, model_id):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # over the server's limit
+    ({"best_of": 3}, "best_of"),  # not implemented: refused, never ignored
 ])
 def test_invalid_parameters_are_400(api, model_id, change, param):
     status, _, body = post(f"{api}/completions", {"model": model_id, "prompt": PROMPT, **change})

@@ -3,13 +3,14 @@ parameter, never a 500."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from client.api_requests import MAX_STOP_STRINGS, ApiError, parse_common, parse_messages
+from client.api_requests import MAX_STOP_STRINGS, ApiError, parse_chat, parse_common, parse_completion, parse_messages
 from client.config import ApiConfig
-from client.generation import Sampling
+from client.sampling import Sampling
 
 pytestmark = pytest.mark.unit
 
@@ -17,11 +18,12 @@ CONFIG = ApiConfig()
 
 
 def common(**body) -> tuple[Sampling, bool, bool]:
-    return parse_common(body, CONFIG)
+    return common_raw(body)
 
 
 def common_raw(body: dict) -> tuple[Sampling, bool, bool]:
-    return parse_common(body, CONFIG)
+    c = parse_common(body, CONFIG)
+    return dataclasses.replace(c.sampling, max_tokens=c.max_tokens or 0), c.stream, c.include_usage
 
 
 def test_defaults():
@@ -102,6 +104,8 @@ def expect_invalid(param: str, fn, *args, code: str | None = "invalid_value") ->
     ("stop", {"a": 1}), ("stop", 5), ("stop", [None]), ("stop", "x" * 257), ("stop", ["\ud800"]),
     ("stream_options", {"include_usage": "no"}),
     ("stream", "yes"), ("stream", 1), ("stream_options", ["include_usage"]), ("stream_options", True),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("min_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0),
+    ("repetition_penalty", -1.0), ("repetition_penalty", 11),
 ])
 def test_bad_values_are_400_naming_the_parameter(name, value):
     expect_invalid(name, common_raw, {name: value})
@@ -116,12 +120,66 @@ def test_json_nan_infinity_and_huge_numbers_are_refused():
 
 
 @pytest.mark.parametrize("name, value", [
-    ("logprobs", True), ("logprobs", 3), ("top_logprobs", 2), ("echo", True), ("best_of", 2), ("suffix", "x"),
+    ("best_of", 2), ("suffix", "x"),
     ("logit_bias", {"5": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
 ])
 def test_unsupported_features_are_400_unsupported_parameter(name, value):
     expect_invalid(name, common_raw, {name: value}, code="unsupported_parameter")
+
+
+def test_vllm_sampling_extras():
+    sampling = common(top_k=40, min_p=0.05, repetition_penalty=1.3)[0]
+    assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (40, 0.05, 1.3)
+    assert common(top_k=-1)[0].top_k == 0  # vLLM's "off"
+    assert common()[0] == common(top_k=0, min_p=0, repetition_penalty=1)[0]
+
+
+# ---- completions: prompts, echo, logprobs ----
+
+def completion(**body):
+    return parse_completion(body, CONFIG, vocab_size=100)
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ("hi",)), ([1, 2], ((1, 2),)), (["a", "b"], ("a", "b")), ([[1], [2, 3]], ((1,), (2, 3))),
+    (["a", [4]], ("a", (4,))), ([""], ("",)),  # an empty string is tokenized: it may hold a BOS token
+])
+def test_prompts_are_strings_token_lists_or_lists_of_these(prompt, prompts):
+    assert completion(prompt=prompt).prompts == prompts
+
+
+@pytest.mark.parametrize("prompt, param", [
+    (None, "prompt"), ([], "prompt"), (5, "prompt"), ([[]], "prompt"), ([1, "a"], "prompt"), ([[100]], "prompt"),
+    (["a", [1, -1]], "prompt[1]"), (["a", []], "prompt[1]"), (["a"] * (CONFIG.max_prompts + 1), "prompt"),
+    (["ok", "\ud800"], "prompt[1]"), ([{"a": 1}], "prompt"),
+])
+def test_bad_prompts_are_400_naming_the_prompt(prompt, param):
+    expect_invalid(param, lambda: completion(**({} if prompt is None else {"prompt": prompt})))
+
+
+def test_completion_logprobs_and_echo():
+    req = completion(prompt="x", logprobs=3, echo=True, max_tokens=0)
+    assert (req.logprobs, req.echo, req.common.max_tokens) == (3, True, 0)
+    assert completion(prompt="x", logprobs=0).logprobs == 0  # the chosen token's, as OpenAI gives it
+    assert completion(prompt="x").logprobs is None
+    expect_invalid("max_tokens", lambda: completion(prompt="x", max_tokens=0))  # 0 only scores an echoed prompt
+    for bad in (-1, CONFIG.max_logprobs + 1, True, 1.0):
+        expect_invalid("logprobs", lambda: completion(prompt="x", logprobs=bad))
+    expect_invalid("echo", lambda: completion(prompt="x", echo="yes"))
+
+
+def test_chat_logprobs_is_a_flag_and_top_logprobs_a_count():
+    def chat(**b):
+        return parse_chat({"messages": [{"role": "user", "content": "hi"}], **b}, CONFIG)
+
+    assert chat().logprobs is None
+    assert chat(logprobs=True).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=5).logprobs == 5
+    assert chat(logprobs=False, top_logprobs=0).logprobs is None
+    expect_invalid("top_logprobs", lambda: chat(top_logprobs=2))  # needs logprobs: true, as OpenAI says
+    expect_invalid("logprobs", lambda: chat(logprobs=3))
+    expect_invalid("top_logprobs", lambda: chat(logprobs=True, top_logprobs=CONFIG.max_logprobs + 1))
 
 
 # ---- messages ----

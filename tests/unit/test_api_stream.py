@@ -14,6 +14,7 @@ from aiohttp import web
 
 from client.api import Gateway
 from client.api_responses import ResponseBodies
+from client.api_stream import Runs
 from client.config import ApiConfig
 from client.generation import Delta
 from swarm import http
@@ -34,9 +35,10 @@ async def failing_events(error: BaseException):
 
 def serve_stream(gw: Gateway, error: BaseException):
     async def handler(request: web.Request) -> web.StreamResponse:
-        gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2)
-        return await gw._respond(request, gen, failing_events(error), ResponseBodies("chat.completion", "m", 1),
-                                 stream=True, include_usage=True)
+        gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2, waiting=None,
+                              run=lambda: failing_events(error))
+        return await gw._respond(request, Runs([gen]), ResponseBodies("chat.completion", "m", 1), stream=True,
+                                 include_usage=True)
 
     app = gw.app()
     app.router.add_get("/stream", handler)

@@ -373,3 +373,49 @@ def test_non_finite_logits_are_an_error_of_the_swarm_not_a_crash():
 def test_a_vanishing_temperature_is_greedy(temperature):
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
     assert sampler(temperature=temperature)(logits) == [int(logits.argmax())]
+
+
+# ---- the sampler's transformers processors ----
+
+def test_top_k_keeps_only_the_k_most_likely():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    picked = {t for (t,) in draws(sampler(vocab=4, top_k=2, seed=1), logits, 300)}
+    assert picked == {0, 1}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))  # min_p 0.2: keep p >= 0.1
+    picked = {t for (t,) in draws(sampler(vocab=4, min_p=0.2, seed=2), logits, 400)}
+    assert picked == {0, 1, 2}
+
+
+def test_repetition_penalty_counts_the_prompt_and_the_generated_tokens():
+    logits = torch.tensor([[2.0, 1.9, 1.0]])
+    s = Sampler(Sampling(max_tokens=4, temperature=0.0, repetition_penalty=1.5), 3, prompt=[0])
+    # token 0 is in the prompt: 2.0 / 1.5 < 1.9; then token 1 is penalized too: 1.9 / 1.5 < 2.0 / 1.5
+    assert [s(logits)[0] for _ in range(3)] == [1, 0, 0]
+
+
+def test_a_rewound_sampler_draws_the_same_tokens_again():
+    logits = torch.zeros(2, 50)
+    s = sampler(n=2, seed=9, presence_penalty=0.5, repetition_penalty=1.1)
+    state = s.state()
+    first = draws(s, logits, 10)
+    s.restore(state)
+    assert draws(s, logits, 10) == first
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits():
+    from client.sampling import logprobs_of, score
+
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    want = torch.log_softmax(logits, -1)
+    got = logprobs_of(logits, torch.tensor([3, 7]), k=2)
+    assert [g.token for g in got] == [3, 7]
+    assert [g.logprob for g in got] == pytest.approx([want[0, 3].item(), want[1, 7].item()])
+    assert [t for t, _ in got[1].top] == want[1].topk(2).indices.tolist()
+    hidden = torch.randn(600, 30)  # more positions than one chunk; the "logits" are the hidden states themselves
+    targets = [i % 30 for i in range(600)]
+    scored = score(lambda h: h, hidden, targets, k=0)
+    assert [x.logprob for x in scored] == pytest.approx(
+        torch.log_softmax(hidden, -1)[torch.arange(600), torch.tensor(targets)].tolist(), abs=1e-5)

@@ -14,6 +14,7 @@ import pytest
 
 from client.api import Gateway
 from client.api_responses import ResponseBodies
+from client.api_stream import Runs
 from client.config import ApiConfig, ClientConfig
 from client.generation import Delta
 from client.routing import REROUTE_AFTER, Hop, Offer
@@ -214,7 +215,8 @@ def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
             yield [Delta(0, "lo", "stop")]
 
         async def handler(request):
-            return await gw._respond(request, gen, events(), ResponseBodies("text_completion", "m", 1), stream=True,
+            gen.run = events
+            return await gw._respond(request, Runs([gen]), ResponseBodies("text_completion", "m", 1), stream=True,
                                      include_usage=False)
 
         app = gw.app()

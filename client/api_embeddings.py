@@ -1,0 +1,100 @@
+"""`POST /v1/embeddings`: text embeddings from the swarm's model, in OpenAI's shapes.
+
+Each input (a string, token ids, or a list of either) runs through every block once, as a stateless
+forward (`SwarmClient.forward`); its embedding is the mean over its tokens of the last layer's hidden
+states after the model's final norm (what the LM head reads), scaled to unit length, as OpenAI's embeddings
+are. Mean pooling suits a causal LM that was not trained for embeddings (its last token alone sees the whole
+text, but carries what comes next rather than what the text means); a model trained for last-token pooling
+is better served by a dedicated embedding server. `encoding_format` `base64` sends the float32
+little-endian bytes, as OpenAI's clients decode them. `dimensions` is refused: these models have no
+shortened embeddings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.api_requests import ApiError, checked_text, invalid
+
+MAX_INPUTS = 2048  # as OpenAI's
+CONCURRENT = 4  # forwards of one request in flight at once
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    inputs: tuple[str | tuple[int, ...], ...]
+    base64: bool
+
+
+def parse_embeddings(body: dict, vocab_size: int) -> EmbeddingRequest:
+    raw = body.get("input")
+    shape = "'input' must be a string, a list of token ids, or a non-empty list of these"
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(type(t) is int for t in raw)):
+        items = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
+        items = raw
+    else:
+        raise invalid("input", shape)
+    if len(items) > MAX_INPUTS:
+        raise invalid("input", f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
+    inputs: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(items):
+        where = "input" if len(items) == 1 else f"input[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise invalid(where, "an input is empty")
+            inputs.append(checked_text(item, where))
+        elif item and all(type(t) is int for t in item):
+            if not all(0 <= t < vocab_size for t in item):
+                raise invalid(where, f"token ids must lie in [0, {vocab_size}) (ids of another tokenizer? "
+                              "send text instead)")
+            inputs.append(tuple(item))
+        else:
+            raise invalid(where, shape if item else "an input is empty")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64", None):
+        raise invalid("encoding_format", "'encoding_format' must be 'float' or 'base64'")
+    if body.get("dimensions") is not None:
+        raise ApiError(400, "'dimensions' is not supported: this model's embeddings cannot be shortened",
+                       param="dimensions", code="unsupported_parameter")
+    return EmbeddingRequest(tuple(inputs), fmt == "base64")
+
+
+def pooled(head, hidden: torch.Tensor) -> torch.Tensor:
+    """The unit-length mean of the final-normed hidden states `hidden` [1, tokens, hidden]."""
+    final = head.final_hidden(hidden).float()[0].mean(0)
+    return final / final.norm().clamp_min(1e-12)
+
+
+async def embed_all(client, head, executor, ids: list[list[int]]) -> list[torch.Tensor]:
+    """The embedding of each token list, `CONCURRENT` forwards through the swarm at a time."""
+    loop = asyncio.get_running_loop()
+    gate = asyncio.Semaphore(CONCURRENT)
+
+    async def one(tokens: list[int]) -> torch.Tensor:
+        async with gate:
+            hidden = await loop.run_in_executor(executor, head.embed, torch.tensor([tokens]), 0)
+            out = await client.forward(hidden)
+            return await loop.run_in_executor(executor, pooled, head, out)
+
+    tasks = [asyncio.ensure_future(one(t)) for t in ids]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()  # one failed: the others stop too
+
+
+def answer(model: str, vectors: list[torch.Tensor], as_base64: bool, tokens: int) -> dict[str, Any]:
+    data = []
+    for i, v in enumerate(vectors):
+        values = v.numpy().astype("<f4")
+        embedding = base64.b64encode(values.tobytes()).decode() if as_base64 else values.astype(np.float64).tolist()
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
