@@ -35,6 +35,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from client import chat_page
 from client.api_requests import (CHARS_PER_TOKEN, ApiError, checked_text, invalid, parse_common,
                                  parse_messages)
 from client.api_responses import ResponseBodies
@@ -103,6 +104,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = http.make_app(self.limits)
         app.middlewares.append(self._errors)
+        app.router.add_get("/", chat_page.serve)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
