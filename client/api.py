@@ -3,7 +3,8 @@ routes, admission (generation slots and queue), connection guards, metrics and t
 
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (one or more prompts),
 `POST /v1/chat/completions` (the model's chat template), `POST /v1/embeddings`, vLLM's tokenizer endpoints
-(`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`) and `GET /metrics` (Prometheus). Its parts:
+(`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`), `GET /metrics` (Prometheus) and a chat page
+at `GET /` (`client.chat_page`). Its parts:
 `client.api_requests` parses requests into typed values once (and `Sampling` at one boundary),
 `client.api_responses` shapes the answers, `client.api_stream` runs a request's generations and streams
 them, `client.api_embeddings` and `client.api_tokenizer` serve their endpoints. One process, one event
@@ -40,7 +41,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from client import api_embeddings, api_tokenizer
+from client import api_embeddings, api_tokenizer, chat_page
 from client.api_requests import CHARS_PER_TOKEN, ApiError, Common, invalid, parse_chat, parse_completion
 from client.api_responses import ResponseBodies
 from client.api_stream import ClientGone, Runs, Writer, api_error
@@ -111,6 +112,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = http.make_app(self.limits)
         app.middlewares.append(self._errors)
+        app.router.add_get("/", chat_page.serve)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
