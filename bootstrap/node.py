@@ -33,9 +33,11 @@ async def run(config: BootstrapConfig, stop: asyncio.Event, on_ready: Callable[[
                                                              config.monitor_interval)))
         if on_ready is not None:
             on_ready(maddrs)
-        while not stop.is_set():
+        while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.log_interval)
+            if stop.is_set():  # no report then: the daemon may be gone already (a signal to our whole group)
+                break
             logger.info("swarm size: %d DHT nodes known, %d connections, %d records checked (%d rejected)",
                         node.routing_table_size(), await node.connected_peers(),
                         node.counters["accepted"] + node.counters["rejected"], node.counters["rejected"])

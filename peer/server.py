@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 CLAIM_SETTLE_S = 1.0  # after claiming a span: time for other claims to show before deciding to go on
 EARLY_ANNOUNCE_S = 1.0  # announcements brought forward by released cache are at least this far apart
+OFFLINE_ANNOUNCE_S = 2.0  # a stopping peer waits this long at most for its offline records to be stored
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ class Peer:
             finally:
                 logger.info("peer %s leaving: announcing blocks %s offline", self.name, self.span)
                 with contextlib.suppress(Exception):  # leaving anyway: records expire if this fails
-                    await asyncio.wait_for(asyncio.shield(self.announce("offline")), 5)
+                    await asyncio.wait_for(asyncio.shield(self.announce("offline")), OFFLINE_ANNOUNCE_S)
                 if servicer.pusher is not None:
                     await servicer.pusher.close()
 

@@ -96,9 +96,11 @@ class LocalSwarm:
         self.procs[name] = proc
         return proc
 
-    def start_bootstrap(self, name: str = "bootstrap", *extra: str, timeout: float = 60) -> Proc:
+    def start_bootstrap(self, name: str = "bootstrap", *extra: str, timeout: float = 60,
+                        program: Sequence[str] = ("-m", "swarm.cli")) -> Proc:
+        """A bootstrap process; `program`: what runs the command line (as in `start_peer`)."""
         identity = self.root / f"{name}.key"
-        proc = self._spawn(name, ["bootstrap", "--identity", str(identity), *extra])
+        proc = self._spawn(name, ["bootstrap", "--identity", str(identity), *extra], program=program)
         proc.peer_id = load_or_create(identity).peer_id if identity.exists() else ""
 
         def addrs():

@@ -3,11 +3,19 @@
 The service receives a stop event; the first signal sets it, and the service's own context managers
 release everything (daemons included). A second signal while stopping is ignored, so shutdown is
 never cut short into leaving child processes behind.
+
+Once the service has returned, what is left is the interpreter's heap: the hundreds of thousands of
+objects torch and transformers create at import. The interpreter's collections at exit would traverse
+them all, 1.5-3.5 s on a loaded 2-core machine (measured: most of a peer's time from SIGTERM to exit);
+they are frozen instead (`gc.freeze`), so exit takes a fraction of a second. Nothing is lost by it:
+no resource is released in `__del__` here, and the interpreter still flushes its streams and runs its
+exit handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +28,10 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
-    asyncio.run(runner())
+    try:
+        asyncio.run(runner())
+    finally:
+        gc.freeze()  # see the module docstring: nothing to collect that exit would not free anyway
     return 0
 
 

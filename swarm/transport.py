@@ -19,6 +19,16 @@ Invariants:
   entry let through to the merge could displace a good one of the same subkey.
 - The daemon never outlives this process: clean exit shuts it down; any other death of this
   process is caught by a reaper process holding a pipe from us (`swarm.reaper`).
+- Stopping is bounded (`STOP_*` seconds per stage) and leaves no task of the transport behind: the DHT
+  unregisters from the daemon while it runs, the daemon is stopped (killed if it lingers), then the
+  tasks of hivemind's daemon client are cancelled and awaited, so their errors are collected here and
+  never reported by the event loop as "never retrieved".
+- The daemon can die before us (a signal sent to our whole process group reaches it too; a crash).
+  hivemind's daemon client leaves a call waiting forever for a reply that can no longer come (its
+  reader ends on the closed connection and fails nobody). So once the daemon has exited, every call
+  waiting for it, and every later one, fails at once (`_RefusedCalls`): hivemind's DHT searches then
+  end as they do when peers do not answer, with nothing to cancel (cancelling one midway leaves
+  hivemind's waiting tasks pending forever), and our own DHT calls fail fast with `SwarmError`.
 - hivemind's package `__init__` imports torch; DHT-only processes (the bootstrap) must not. We load
   hivemind's torch-free submodules directly (see `_load_hivemind`).
 """
@@ -46,6 +56,11 @@ from swarm.identity import Identity, PeerId
 logger = logging.getLogger(__name__)
 
 MAX_STORED_VALUE = records.MAX_VALUE_BYTES + 16  # msgpack framing of the envelope
+# Stopping, per stage (seconds). Measured on loopback, all the stages together take about 20 ms; the bounds
+# only matter when something hangs.
+STOP_DHT_S = 1.0  # the DHT removes its handlers from the daemon
+STOP_DAEMON_S = 2.0  # the daemon exits after SIGTERM, else it is killed
+STOP_TASKS_S = 1.0  # hivemind's client tasks end once cancelled
 
 
 def _load_hivemind() -> types.SimpleNamespace:
@@ -144,6 +159,25 @@ class Stream:
 Handler = Callable[[Stream], Awaitable[None]]
 
 
+class _RefusedCalls(dict):
+    """hivemind's table of calls waiting for a reply from the daemon (call id -> future), once the daemon
+    has exited: each call in it, and each call added later, fails at once with `P2PDaemonError`."""
+
+    def __init__(self, waiting: dict, reason: str):
+        super().__init__(waiting)
+        self.reason = reason
+        for future in waiting.values():
+            self._fail(future)
+
+    def __setitem__(self, call_id, future) -> None:
+        super().__setitem__(call_id, future)
+        self._fail(future)
+
+    def _fail(self, future: asyncio.Future) -> None:
+        if not future.done():
+            future.set_exception(_hm().P2PDaemonError(self.reason))
+
+
 def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "::1")
 
@@ -164,6 +198,8 @@ class Node:
         self.dht_wait_timeout = dht_wait_timeout
         self.counters = {"accepted": 0, "rejected": 0}
         self._p2p = self._dht = self._reaper = None
+        self._daemon_exit: asyncio.Task | None = None  # done once the daemon process has exited
+        self._stopping = False
 
     async def __aenter__(self) -> Node:
         hm = _hm()
@@ -194,6 +230,8 @@ class Node:
                     raise SwarmUnreachable(f"cannot reach any initial peer ({', '.join(self.initial_peers)}); is the "
                                            "bootstrap node running and reachable?") from None
                 raise SwarmError(f"the transport daemon failed to start on {self.host}:{self.port}: {e}") from None
+        self._daemon_exit = asyncio.create_task(self._p2p._child.wait(), name="transport daemon exit")
+        self._daemon_exit.add_done_callback(self._on_daemon_exit)
         try:
             self._reaper = subprocess.Popen([sys.executable, "-S", reaper.__file__, str(self._p2p._child.pid)],
                                             stdin=subprocess.PIPE)
@@ -217,19 +255,75 @@ class Node:
         await self._stop()
 
     async def _stop(self) -> None:
+        """Stop in order, each stage bounded: the DHT (while the daemon can still hear it), the daemon, the
+        daemon client's tasks, the reaper. Never raises: whatever fails here, the next stage still runs."""
+        self._stopping = True
         if self._dht is not None:
-            with contextlib.suppress(Exception):  # shutting down: a failing RPC teardown must not stop the rest
-                await asyncio.wait_for(self._dht.shutdown(), 5)
+            with contextlib.suppress(Exception):  # best effort: the daemon forgets the handlers when it exits
+                await asyncio.wait_for(self._dht.shutdown(), STOP_DHT_S)
+            self._dht.is_alive = False  # ends its background loops even if its shutdown did not finish
             self._dht = None
         if self._p2p is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._p2p.shutdown(), 10)
-            self._p2p = None
+            await self._stop_daemon()
+            await self._collect_client_tasks()
+        if self._daemon_exit is not None:
+            self._daemon_exit.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only the exit code
+                await self._daemon_exit
+            self._daemon_exit = None
+        self._p2p = None
         if self._reaper is not None:
             self._reaper.stdin.close()  # end of file: the reaper finds the daemon gone and exits
             with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.get_running_loop().run_in_executor(None, self._reaper.wait, 10)
+                await asyncio.get_running_loop().run_in_executor(None, self._reaper.wait, STOP_DAEMON_S + 1)
             self._reaper = None
+
+    async def _stop_daemon(self) -> None:
+        """SIGTERM the daemon (hivemind's shutdown also closes its client) and wait for it; kill it if it lingers."""
+        child = self._p2p._child
+        with contextlib.suppress(Exception):  # a daemon that is gone already cannot be stopped twice
+            await asyncio.wait_for(self._p2p.shutdown(), STOP_DAEMON_S)
+        if child.returncode is None:
+            logger.warning("the transport daemon (pid %d) did not exit within %.0f s of SIGTERM: killing it",
+                           child.pid, STOP_DAEMON_S)
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(child.wait(), STOP_DAEMON_S)
+
+    async def _collect_client_tasks(self) -> None:
+        """Cancel and await the tasks of hivemind's daemon client. Once the daemon is gone they fail on its
+        closed sockets; awaited here, their errors are expected and logged, not left to the event loop."""
+        p2p = self._p2p
+        control = getattr(p2p._client, "control", None)
+        tasks = [p2p._reader_task, p2p._listen_task]
+        if control is not None:
+            tasks += [control._read_task, control._write_task, *control._handler_tasks.values()]
+        tasks = [t for t in tasks if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                logger.debug("transport task %s ended with %r", task.get_name(), task.exception())
+
+    def _on_daemon_exit(self, exit_task: asyncio.Task) -> None:
+        """The daemon is gone: calls waiting for its replies, and later ones, fail (see the module docstring)."""
+        if exit_task.cancelled():
+            return
+        code = exit_task.result()
+        if self._stopping:
+            logger.debug("the transport daemon exited (code %s)", code)
+        else:
+            logger.warning("the transport daemon exited (code %s): this node is offline", code)
+        control = getattr(self._p2p._client, "control", None) if self._p2p is not None else None
+        if control is not None:
+            control._pending_calls = _RefusedCalls(control._pending_calls, f"the transport daemon exited (code {code})")
+
+    def _check_daemon(self) -> None:
+        if self._daemon_exit is None or self._daemon_exit.done():
+            raise SwarmError("the transport daemon is not running: this node is offline; restart it")
 
     @property
     def daemon_pid(self) -> int | None:
@@ -255,11 +349,13 @@ class Node:
         if not items:
             return {}
         keys, subkeys, values, expirations = zip(*items)
+        self._check_daemon()
         ok = await self._dht.store_many(list(keys), list(values), list(expirations), subkeys=list(subkeys))
         return {k: bool(v) for k, v in ok.items()}
 
     async def get_records(self, keys: Sequence[str]) -> dict[str, dict[str, tuple[bytes, float]]]:
         """For each key: {subkey: (value, expiration)} of the valid, unexpired records found (latest)."""
+        self._check_daemon()
         found = await self._dht.get_many(list(keys), sufficient_expiration_time=float("inf"))
         out: dict[str, dict[str, tuple[bytes, float]]] = {}
         for key in keys:
