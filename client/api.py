@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from client import api_embeddings, api_tokenizer, chat_page
+from client import api_embeddings, api_tokenizer, api_tools, chat_page, grammar
 from client.api_requests import CHARS_PER_TOKEN, ApiError, Common, invalid, parse_chat, parse_completion
+from client.api_metrics import ApiMetrics
 from client.api_responses import ResponseBodies
 from client.api_stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
@@ -77,37 +77,7 @@ class Gateway:
         self.running = 0
         self.server: http.HttpServer | None = None
         self.keepalive_s = KEEPALIVE_S
-        self.registry = CollectorRegistry()
-        self._metrics()
-
-    def _metrics(self) -> None:
-        r = self.registry
-        self.m_requests = Counter("swarm_api_requests", "HTTP requests answered, by endpoint and status",
-                                  ["endpoint", "status"], registry=r)
-        self.m_tokens = Counter("swarm_api_tokens", "tokens processed, prompt and completion", ["kind"], registry=r)
-        self.m_seconds = Histogram("swarm_api_request_seconds", "time to answer a generation request, whole",
-                                   ["endpoint"], buckets=metrics.LATENCY_BUCKETS, registry=r)
-        self.m_ttft = Histogram("swarm_api_time_to_first_token_seconds", "from a generation's start to its first "
-                                "token (prompt through every block, then sampling)", buckets=metrics.LATENCY_BUCKETS,
-                                registry=r)
-        self.m_token_seconds = Histogram("swarm_api_token_seconds", "time between consecutive tokens of a "
-                                         "generation", buckets=metrics.LATENCY_BUCKETS, registry=r)
-        self.m_failovers = Counter("swarm_api_failovers", "peers replaced during generations", ["reason"], registry=r)
-        self.m_cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",
-                                   registry=r)
-
-        def state():
-            guard = self.server.guard if self.server else None
-            yield "swarm_api_generations_running", "generations running now", self.running, {}
-            yield "swarm_api_generations_waiting", "requests waiting for a generation slot", self.waiting, {}
-            if guard is not None:
-                yield "swarm_api_connections_open", "HTTP connections open now", guard.open_connections(), {}
-                for what, value in (("evicted", guard.evicted), ("refused", guard.refused),
-                                    ("timed_out", guard.timed_out)):
-                    yield ("swarm_api_connections_dropped", "connections closed by the guards since start "
-                           "(cumulative)", value, {"reason": what})
-
-        r.register(metrics.StateCollector(state))
+        self.metrics = ApiMetrics(self)
 
     def app(self) -> web.Application:
         app = http.make_app(self.limits)
@@ -121,7 +91,7 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
-        metrics.add_route(app, self.registry)
+        metrics.add_route(app, self.metrics.registry)
         return app
 
     async def close(self) -> None:
@@ -153,7 +123,7 @@ class Gateway:
             response = self._error_response(request)
         if not response.prepared:
             response.headers.update(self._cors())
-        self.m_requests.labels(endpoint, str(response.status)).inc()
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
         return response
 
     def _error_response(self, request: web.Request) -> web.StreamResponse:
@@ -254,7 +224,8 @@ class Gateway:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(list(p)) for p in req.prompts]
         bodies = ResponseBodies("text_completion", self.model_id, req.common.sampling.n, self.tokenizer,
                                 logprobs=req.logprobs, echo=echo)
-        samplings = [req.common.settled(max_tokens, logprobs=req.logprobs,
+        shape = await self._grammar(req.common.structure, None)
+        samplings = [req.common.settled(max_tokens, logprobs=req.logprobs, grammar=shape,
                                         prompt_logprobs=req.echo and req.logprobs is not None)
                      for _, max_tokens in prompts]
         return await self._generate(request, bodies, [ids for ids, _ in prompts], samplings, req.common)
@@ -265,13 +236,22 @@ class Gateway:
         if not self.tokenizer.chat_template:
             raise ApiError(400, f"the model '{self.model_id}' has no chat template: use /v1/completions",
                            code="no_chat_template")
-        chars = sum(len(m["content"]) for m in req.messages)
-        ids = await self._tokenize(chars, "messages", lambda: self._chat_ids(req.messages))
+        tools = [] if req.tools is None else list(req.tools.tools)
+        if tools:
+            api_tools.check_template(self.tokenizer, self.model_id)
+        chars = sum(len(m["content"]) for m in req.messages) + len(json.dumps(tools))
+        ids = await self._tokenize(chars, "messages", lambda: self._chat_ids(req.messages, tools=tools))
         max_tokens = self._max_tokens(req.common, ids, self.config.max_tokens, "messages")
         bodies = ResponseBodies("chat.completion", self.model_id, req.common.sampling.n, self.tokenizer,
-                                logprobs=req.logprobs)
-        return await self._generate(request, bodies, [ids], [req.common.settled(max_tokens, logprobs=req.logprobs)],
-                                    req.common)
+                                logprobs=req.logprobs, tools=req.tools)
+        shape = await self._grammar(req.common.structure, req.tools)
+        return await self._generate(request, bodies, [ids], [req.common.settled(max_tokens, logprobs=req.logprobs,
+                                                                                grammar=shape)], req.common)
+
+    async def _grammar(self, structure: tuple[str, Any] | None, tools: api_tools.Tools | None) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, api_tools.output_grammar, structure, tools, self.tokenizer, self.head.vocab_size,
+            self.end_tokens)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         req = api_embeddings.parse_embeddings(await self._body(request), self.head.vocab_size)
@@ -293,7 +273,7 @@ class Gateway:
         finally:
             self.running -= 1
             self.slots.release()
-        self.m_tokens.labels("prompt").inc(sum(map(len, ids)))
+        self.metrics.tokens.labels("prompt").inc(sum(map(len, ids)))
         return web.json_response(api_embeddings.answer(self.model_id, vectors, req.base64, sum(map(len, ids))))
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -315,12 +295,13 @@ class Gateway:
     async def tokenizer_info(self, _request: web.Request) -> web.Response:
         return web.json_response(api_tokenizer.tokenizer_info(self.tokenizer, self.context_length))
 
-    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         from jinja2 import TemplateError
 
         try:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                           tokenize=True, return_dict=True)["input_ids"])
+                                                           tools=tools or None, tokenize=True,
+                                                           return_dict=True)["input_ids"])
         except (TemplateError, ValueError, TypeError) as e:  # templates refuse, e.g., a system role
             raise invalid("messages", f"the model's chat template refused these messages: {e}") from None
 
@@ -358,17 +339,17 @@ class Gateway:
                         self.closing.add(gen.closing)
                         gen.closing.add_done_callback(self.closing.discard)
         except (asyncio.CancelledError, ClientGone) as e:
-            self.m_cancelled.inc()
+            self.metrics.cancelled.inc()
             logger.info("%s: client went away after %d tokens (%s); generation cancelled", endpoint,
                         sum(g.completion_tokens for g in gens), e if isinstance(e, ClientGone) else "disconnected")
             raise
         finally:
-            self.m_seconds.labels(endpoint).observe(time.perf_counter() - started)
-            self.m_tokens.labels("prompt").inc(sum(g.prompt_tokens for g in gens))
-            self.m_tokens.labels("completion").inc(sum(g.completion_tokens for g in gens))
+            self.metrics.seconds.labels(endpoint).observe(time.perf_counter() - started)
+            self.metrics.tokens.labels("prompt").inc(sum(g.prompt_tokens for g in gens))
+            self.metrics.tokens.labels("completion").inc(sum(g.completion_tokens for g in gens))
             failovers = [f for g in gens for f in g.failovers]
             for f in failovers:
-                self.m_failovers.labels(f.reason).inc()
+                self.metrics.failovers.labels(f.reason).inc()
             logger.info("%s: %d prompt + %d completion tokens in %.2f s (first token %.2f s)%s", endpoint,
                         sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
                         time.perf_counter() - started, max(g.first_token_s or 0.0 for g in gens),
@@ -376,14 +357,14 @@ class Gateway:
 
     def _timed(self, last: list[float]) -> None:
         now = time.perf_counter()
-        self.m_token_seconds.observe(now - last[0])
+        self.metrics.token_seconds.observe(now - last[0])
         last[0] = now
 
     async def _respond(self, request: web.Request, runs: Runs, out: ResponseBodies, stream: bool,
                        include_usage: bool) -> web.StreamResponse:
         try:  # every prompt runs before any header is sent, so its errors keep their status
             first = await runs.first()
-            self.m_ttft.observe(max(g.first_token_s or 0.0 for g in runs.gens))
+            self.metrics.ttft.observe(max(g.first_token_s or 0.0 for g in runs.gens))
             if not stream:
                 await runs.drain()
                 return web.json_response(out.whole(runs.gens))
@@ -450,9 +431,12 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
     generation_config = GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").exists() \
         else None
+    end_tokens = stop_token_ids(tokenizer, generation_config)
+    # the grammar engine's view of the vocabulary, built once now rather than on the first structured request
+    await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
     async with joined(model_id, ckpt.num_blocks, client_config) as client:
         gateway = Gateway(config, client, head, tokenizer, model_id, context_length_of(ckpt.config, config.context_length),
-                          stop_token_ids(tokenizer, generation_config))
+                          end_tokens)
         try:
             gateway.server = await http.start(gateway.app(), config.host, config.port, gateway.limits, what="the API")
             url = f"{gateway.server.url}/v1"

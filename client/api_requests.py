@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
+from client.api_errors import ApiError, invalid  # noqa: F401 - the parsers' errors, imported from here too
+from client.api_tools import Tools, history_tool_calls, parse_tools
 from client.config import ApiConfig
 from client.sampling import Sampling
 
@@ -18,26 +18,6 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 CHARS_PER_TOKEN = 16  # a prompt longer than context x this many characters cannot fit: refused untokenized
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
-
-
-def invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value")
 
 
 # ---- request parsing: every field checked, in OpenAI's terms ----
@@ -101,7 +81,7 @@ def _text_content(content: Any, where: str) -> str:
     raise invalid(where, f"'{where}' must be a string or a list of text parts")
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
+def parse_messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list")
@@ -111,7 +91,12 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a role in {ROLES}")
         content = m.get("content")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": "" if content is None else _text_content(content, f"messages[{i}].content")})
+        message = {"role": role, "content": "" if content is None else _text_content(content, f"messages[{i}].content")}
+        if role == "assistant" and (calls := history_tool_calls(m, f"messages[{i}]")) is not None:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        out.append(message)
     return out
 
 
@@ -124,6 +109,7 @@ class Common:
     max_tokens_param: str
     stream: bool
     include_usage: bool
+    structure: tuple[str, Any] | None = None  # ("response_format", value) or ("guided_regex", value), ...
 
     def settled(self, max_tokens: int, **fields) -> Sampling:
         return dataclasses.replace(self.sampling, max_tokens=max_tokens, **fields)
@@ -158,9 +144,25 @@ def parse_common(body: dict, config: ApiConfig, min_tokens: int = 1) -> Common:
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
     )
     _unsupported(body, {"best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
-                        "logit_bias": lambda v: not v, "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
-                        "functions": lambda v: not v, "response_format": lambda v: v in (None, {"type": "text"})})
-    return Common(sampling, max_tokens, param, bool(stream), include_usage)
+                        "logit_bias": lambda v: not v, "functions": lambda v: not v})
+    return Common(sampling, max_tokens, param, bool(stream), include_usage, _structure(body))
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's names
+
+
+def _structure(body: dict) -> tuple[str, Any] | None:
+    """What the output must follow: a `response_format` other than text, or one of vLLM's `guided_*` fields
+    (checked in full when compiled: `client.grammar`)."""
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str)):
+        raise invalid("response_format", "'response_format' must be an object with a 'type'")
+    wanted = [(k, body[k]) for k in GUIDED if body.get(k) is not None]
+    if fmt is not None and fmt.get("type") != "text":
+        wanted.insert(0, ("response_format", fmt))
+    if len(wanted) > 1:
+        raise invalid(wanted[1][0], f"'{wanted[0][0]}' and '{wanted[1][0]}' cannot both shape the output: send one")
+    return wanted[0] if wanted else None
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,10 @@ class CompletionRequest:
 class ChatRequest:
     """`/v1/chat/completions`."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     common: Common
     logprobs: int | None  # None: not asked; k: each token's and the k most likely (`top_logprobs`)
+    tools: Tools | None
 
 
 def _prompts(body: dict, config: ApiConfig, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
@@ -214,6 +217,7 @@ def parse_completion(body: dict, config: ApiConfig, vocab_size: int) -> Completi
         raise invalid("echo", "'echo' must be a boolean")
     logprobs = _integer(body, "logprobs", 0, config.max_logprobs, " (this server's limit)")  # a count here
     common = parse_common(body, config, min_tokens=0 if echo else 1)  # echo with max_tokens 0 scores the prompt
+    _unsupported(body, {"tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none")})  # chat only
     return CompletionRequest(_prompts(body, config, vocab_size), common, bool(echo), logprobs)
 
 
@@ -225,6 +229,6 @@ def parse_chat(body: dict, config: ApiConfig) -> ChatRequest:
     top = _integer(body, "top_logprobs", 0, config.max_logprobs, " (this server's limit)")
     if top and not wanted:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    return ChatRequest(parse_messages(body), common, (top or 0) if wanted else None)
+    return ChatRequest(parse_messages(body), common, (top or 0) if wanted else None, parse_tools(body))
 
 

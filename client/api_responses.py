@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from client.api_tools import Tools, ToolStream, find_calls, openai_calls
 from client.generation import Delta, Generation
 from client.sampling import TokenLogprob
 
@@ -29,9 +30,10 @@ class ResponseBodies:
     request (one per prompt). `echo`: each prompt's text, put before its choices' text (completions)."""
 
     def __init__(self, kind: str, model: str, n: int, tokenizer=None, *, logprobs: int | None = None,
-                 echo: Sequence[str] | None = None):
+                 echo: Sequence[str] | None = None, tools: Tools | None = None):
         self.kind, self.model, self.n, self.tokenizer = kind, model, n, tokenizer
-        self.logprobs, self.echo = logprobs, echo
+        self.logprobs, self.echo, self.tools = logprobs, echo, tools
+        self.tool_streams: dict[int, ToolStream] = {}  # per choice index, when tools are on
         self.chat = kind == "chat.completion"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
@@ -53,8 +55,15 @@ class ResponseBodies:
             for c in gen.choices:
                 index = self.index(p, c.index)
                 if self.chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "finish_reason": c.finish_reason,
+                    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                    finish = c.finish_reason
+                    if self.tools is not None:
+                        content, calls = find_calls(c.text, self.tools.names)
+                        if calls:
+                            message = {"role": "assistant", "content": content or None,
+                                       "tool_calls": openai_calls(calls, self.tools.parallel)}
+                            finish = "tool_calls"
+                    choices.append({"index": index, "message": message, "finish_reason": finish,
                                     "logprobs": self._chat_logprobs(c.logprobs)})
                 else:
                     prefix = self.echo[p] if self.echo is not None else ""
@@ -88,7 +97,9 @@ class ResponseBodies:
         out = []
         for d in deltas:
             index = self.index(prompt, d.index)
-            if self.chat:
+            if self.chat and self.tools is not None:
+                out += self._tool_chunks(index, d)
+            elif self.chat:
                 out.append({**self._head("chat.completion.chunk"), "choices": [
                     {"index": index, "delta": {"content": d.text} if d.text else {},
                      "finish_reason": d.finish_reason, "logprobs": self._chat_logprobs(d.logprobs)}]})
@@ -96,6 +107,23 @@ class ResponseBodies:
                 out.append({**self._head("text_completion"), "choices": [
                     {"index": index, "text": d.text, "finish_reason": d.finish_reason,
                      "logprobs": self._completion_logprobs(index, list(d.logprobs))}]})
+        return out
+
+    def _tool_chunks(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        """A chat delta when tools are on: text that may be a call waits; calls go out whole at the end."""
+        stream = self.tool_streams.setdefault(index, ToolStream(self.tools.names))
+        text, calls = stream.feed(d.text), []
+        if d.finish_reason:
+            rest, calls = stream.finish()
+            text += rest
+        head = self._head("chat.completion.chunk")
+        out = [{**head, "choices": [{"index": index, "delta": {"content": text} if text else {},
+                                     "finish_reason": None if calls else d.finish_reason,
+                                     "logprobs": self._chat_logprobs(d.logprobs)}]}]
+        if calls:
+            deltas = [{"index": i, **call} for i, call in enumerate(openai_calls(calls, self.tools.parallel))]
+            out.append({**head, "choices": [{"index": index, "delta": {"tool_calls": deltas},
+                                             "finish_reason": "tool_calls", "logprobs": None}]})
         return out
 
     def usage_chunk(self, gens: list[Generation]) -> dict[str, Any]:

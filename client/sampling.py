@@ -1,6 +1,7 @@
 """Choosing tokens from logits, for servers: sampling parameters, the sampler, and log-probabilities.
 
-The sampler is transformers' own logits processors and warpers, in the order `generate()` applies them:
+The sampler is transformers' own logits processors and warpers, in the order `generate()` applies them,
+after a structured-output grammar's mask (`client.grammar`: what the grammar forbids cannot be chosen):
 repetition penalty (over the prompt and the tokens generated so far), OpenAI's presence and frequency
 penalties (over the tokens generated so far: a processor of ours, as transformers has none), then, when
 sampling, temperature, top-k, top-p and min-p. Temperature 0 (below `MIN_TEMPERATURE`) is greedy: the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
@@ -41,6 +43,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
     prompt_logprobs: bool = False  # also score the prompt's tokens (completions' `echo` with `logprobs`)
+    grammar: Any = None  # a `client.grammar.Grammar` every choice must follow (structured output), or None
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +86,11 @@ class Sampler:
         if self.counts is not None:
             self.penalty = PresenceFrequencyPenalty(s.presence_penalty, s.frequency_penalty, self.counts)
             self.processors.append(self.penalty)
+        self.constraint = None
+        if s.grammar is not None:
+            from client.grammar import Constraint
+
+            self.constraint = Constraint(s.grammar, s.n)
         self.warpers = LogitsProcessorList()
         if not s.greedy:
             if s.temperature != 1.0:
@@ -110,6 +118,8 @@ class Sampler:
         if not torch.isfinite(logits).all():
             raise SwarmError("the swarm returned non-finite activations (a faulty peer, or an overflow in "
                              "a half-precision peer)")
+        if self.constraint is not None:  # what the grammar forbids is -inf from here on
+            logits = self.constraint.mask(logits)
         ids = self._input_ids(len(logits))
         scores = self.processors(ids, logits)
         if self.sampling.greedy:
@@ -122,6 +132,8 @@ class Sampler:
         return tokens.tolist()
 
     def chose(self, tokens: list[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
         if self.counts is not None:
             self.counts[torch.arange(len(tokens)), torch.tensor(tokens)] += 1
         if self.history is not None:
@@ -131,10 +143,13 @@ class Sampler:
     def state(self) -> tuple:
         return ([g.get_state() for g in self.generators],
                 None if self.counts is None else self.counts.clone(),
-                None if self.history is None else [list(h) for h in self.history])
+                None if self.history is None else [list(h) for h in self.history],
+                None if self.constraint is None else self.constraint.state())
 
     def restore(self, state: tuple) -> None:
-        generators, counts, history = state
+        generators, counts, history, constraint = state
+        if constraint is not None:
+            self.constraint.restore(constraint)
         for g, saved in zip(self.generators, generators):
             g.set_state(saved)
         if counts is not None:

@@ -121,11 +121,27 @@ def test_json_nan_infinity_and_huge_numbers_are_refused():
 
 @pytest.mark.parametrize("name, value", [
     ("best_of", 2), ("suffix", "x"),
-    ("logit_bias", {"5": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
+    ("logit_bias", {"5": 10}), ("functions", [{"name": "f"}]),
 ])
 def test_unsupported_features_are_400_unsupported_parameter(name, value):
     expect_invalid(name, common_raw, {name: value}, code="unsupported_parameter")
+
+
+@pytest.mark.parametrize("name, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "auto")])
+def test_tools_are_for_chat_only(name, value):
+    expect_invalid(name, lambda: parse_completion({"prompt": "x", name: value}, CONFIG, 100),
+                   code="unsupported_parameter")
+
+
+def test_what_shapes_the_output():
+    structure = lambda **b: parse_common(b, CONFIG).structure  # noqa: E731
+    assert structure() is None and structure(response_format={"type": "text"}) is None
+    assert structure(response_format={"type": "json_object"}) == ("response_format", {"type": "json_object"})
+    assert structure(guided_regex="a+") == ("guided_regex", "a+")
+    expect_invalid("guided_regex", lambda: structure(response_format={"type": "json_object"}, guided_regex="a"))
+    expect_invalid("guided_choice", lambda: structure(guided_json={}, guided_choice=["a"]))
+    expect_invalid("response_format", lambda: structure(response_format="json"))
 
 
 def test_vllm_sampling_extras():
@@ -198,7 +214,7 @@ def test_messages_roles_and_text_parts():
         {"role": "system", "content": "ab"},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "tool_call_id": "x"},
         {"role": "user", "content": ""},
     ]
 

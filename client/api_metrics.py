@@ -1,0 +1,39 @@
+"""The gateway's Prometheus metrics (`GET /metrics`): requests, tokens, latencies, failovers and
+cancellations, and the state of its slots and connections read when scraped."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from swarm import metrics
+
+
+class ApiMetrics:
+    def __init__(self, gateway):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("swarm_api_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.tokens = Counter("swarm_api_tokens", "tokens processed, prompt and completion", ["kind"], registry=r)
+        self.seconds = Histogram("swarm_api_request_seconds", "time to answer a generation request, whole",
+                                 ["endpoint"], buckets=metrics.LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("swarm_api_time_to_first_token_seconds", "from a generation's start to its first "
+                              "token (prompt through every block, then sampling)", buckets=metrics.LATENCY_BUCKETS,
+                              registry=r)
+        self.token_seconds = Histogram("swarm_api_token_seconds", "time between consecutive tokens of a "
+                                       "generation", buckets=metrics.LATENCY_BUCKETS, registry=r)
+        self.failovers = Counter("swarm_api_failovers", "peers replaced during generations", ["reason"], registry=r)
+        self.cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",
+                                 registry=r)
+
+        def state():
+            guard = gateway.server.guard if gateway.server else None
+            yield "swarm_api_generations_running", "generations running now", gateway.running, {}
+            yield "swarm_api_generations_waiting", "requests waiting for a generation slot", gateway.waiting, {}
+            if guard is not None:
+                yield "swarm_api_connections_open", "HTTP connections open now", guard.open_connections(), {}
+                for what, value in (("evicted", guard.evicted), ("refused", guard.refused),
+                                    ("timed_out", guard.timed_out)):
+                    yield ("swarm_api_connections_dropped", "connections closed by the guards since start "
+                           "(cumulative)", value, {"reason": what})
+
+        r.register(metrics.StateCollector(state))
