@@ -28,13 +28,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
 import json
 import logging
 import random
-import re
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -64,19 +61,6 @@ def _page() -> bytes:
     return resources.files("bootstrap").joinpath("health_page.html").read_bytes()
 
 
-def content_policy(page: bytes) -> str:
-    """The page's Content-Security-Policy: nothing but its own inline scripts and styles (named by their
-    hashes, so an injected one cannot run) and fetches from its own origin."""
-    markup = re.sub(rb"<!--.*?-->", b"", page, flags=re.S)  # a tag named in a comment is no element
-
-    def hashes(tag: bytes) -> str:
-        bodies = re.findall(rb"<%s>(.*?)</%s>" % (tag, tag), markup, re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in bodies)
-
-    return (f"default-src 'none'; script-src {hashes(b'script')}; style-src {hashes(b'style')}; "
-            "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
-
-
 def describe_blocks(blocks: tuple[int, ...]) -> str:
     """Blocks as spans for logs: (3, 4, 5, 9) -> '[3:6) [9:10)'."""
     spans, start = [], None
@@ -99,7 +83,7 @@ class Monitor:
         self._listed = 0  # directory records found by the last successful read
         self._rng = random.Random()
         self._page = _page()
-        self._policy = content_policy(self._page)
+        self._policy = http.content_policy(self._page)
         self.publish(health.Snapshot(None))
         self._server: http.HttpServer | None = None
         self._task: asyncio.Task | None = None

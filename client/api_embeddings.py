@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.api_requests import ApiError, checked_text, invalid
+from client.api_requests import ApiError, invalid, texts_or_ids
 
 MAX_INPUTS = 2048  # as OpenAI's
 CONCURRENT = 4  # forwards of one request in flight at once
@@ -33,37 +33,14 @@ class EmbeddingRequest:
 
 
 def parse_embeddings(body: dict, vocab_size: int) -> EmbeddingRequest:
-    raw = body.get("input")
-    shape = "'input' must be a string, a list of token ids, or a non-empty list of these"
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(type(t) is int for t in raw)):
-        items = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
-        items = raw
-    else:
-        raise invalid("input", shape)
-    if len(items) > MAX_INPUTS:
-        raise invalid("input", f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
-    inputs: list[str | tuple[int, ...]] = []
-    for i, item in enumerate(items):
-        where = "input" if len(items) == 1 else f"input[{i}]"
-        if isinstance(item, str):
-            if not item:
-                raise invalid(where, "an input is empty")
-            inputs.append(checked_text(item, where))
-        elif item and all(type(t) is int for t in item):
-            if not all(0 <= t < vocab_size for t in item):
-                raise invalid(where, f"token ids must lie in [0, {vocab_size}) (ids of another tokenizer? "
-                              "send text instead)")
-            inputs.append(tuple(item))
-        else:
-            raise invalid(where, shape if item else "an input is empty")
+    inputs = texts_or_ids(body.get("input"), "input", MAX_INPUTS, vocab_size, empty_text=False)
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64", None):
         raise invalid("encoding_format", "'encoding_format' must be 'float' or 'base64'")
     if body.get("dimensions") is not None:
         raise ApiError(400, "'dimensions' is not supported: this model's embeddings cannot be shortened",
                        param="dimensions", code="unsupported_parameter")
-    return EmbeddingRequest(tuple(inputs), fmt == "base64")
+    return EmbeddingRequest(inputs, fmt == "base64")
 
 
 def pooled(head, hidden: torch.Tensor) -> torch.Tensor:

@@ -185,29 +185,31 @@ class ChatRequest:
     tools: Tools | None
 
 
-def _prompts(body: dict, config: ApiConfig, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
-    prompt = body.get("prompt")
-    shape = "'prompt' must be a string, a list of token ids, or a list of these"
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        prompts = prompt
+def texts_or_ids(raw: Any, param: str, limit: int, vocab_size: int, *, empty_text: bool = True
+                 ) -> tuple[str | tuple[int, ...], ...]:
+    """A field that holds a string, a list of token ids, or a list of these (prompts, embedding inputs):
+    its items, each checked (`param[i]` names a bad one). `empty_text`: whether "" is an item."""
+    shape = f"'{param}' must be a string, a list of token ids, or a non-empty list of these"
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(type(t) is int for t in raw)):
+        items = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
+        items = raw
     else:
-        raise invalid("prompt", shape)
-    if len(prompts) > config.max_prompts:
-        raise invalid("prompt", f"at most {config.max_prompts} prompts per request (this server's limit), got "
-                      f"{len(prompts)}")
+        raise invalid(param, shape)
+    if len(items) > limit:
+        raise invalid(param, f"at most {limit} items in '{param}' (this server's limit), got {len(items)}")
     out: list[str | tuple[int, ...]] = []
-    for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            out.append(checked_text(p, where))
-        elif p and all(type(t) is int for t in p):
-            if not all(0 <= t < vocab_size for t in p):
-                raise invalid(where, f"the {where}'s token ids must lie in [0, {vocab_size})")
-            out.append(tuple(p))
+    for i, item in enumerate(items):
+        where = param if len(items) == 1 else f"{param}[{i}]"
+        if isinstance(item, str) and (item or empty_text):
+            out.append(checked_text(item, where))
+        elif isinstance(item, list) and item and all(type(t) is int for t in item):
+            if not all(0 <= t < vocab_size for t in item):
+                raise invalid(where, f"the {where}'s token ids must lie in [0, {vocab_size}) (ids of another "
+                              "tokenizer? send text instead)")
+            out.append(tuple(item))
         else:
-            raise invalid(where, shape if p else "the prompt is empty")
+            raise invalid(where, f"the {where} is empty" if not item else shape)
     return tuple(out)
 
 
@@ -218,7 +220,8 @@ def parse_completion(body: dict, config: ApiConfig, vocab_size: int) -> Completi
     logprobs = _integer(body, "logprobs", 0, config.max_logprobs, " (this server's limit)")  # a count here
     common = parse_common(body, config, min_tokens=0 if echo else 1)  # echo with max_tokens 0 scores the prompt
     _unsupported(body, {"tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none")})  # chat only
-    return CompletionRequest(_prompts(body, config, vocab_size), common, bool(echo), logprobs)
+    return CompletionRequest(texts_or_ids(body.get("prompt"), "prompt", config.max_prompts, vocab_size), common,
+                             bool(echo), logprobs)
 
 
 def parse_chat(body: dict, config: ApiConfig) -> ChatRequest:

@@ -15,13 +15,12 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
-import re
 from importlib import resources
 
 from aiohttp import web
+
+from swarm import http
 
 PAGE = "static/chat.html"
 
@@ -30,20 +29,7 @@ PAGE = "static/chat.html"
 def page() -> tuple[bytes, str]:
     """The page's bytes and its Content-Security-Policy."""
     body = resources.files("client").joinpath(PAGE).read_bytes()
-    return body, content_policy(body)
-
-
-def content_policy(body: bytes) -> str:
-    """Nothing but the page's own inline scripts and styles (named by their hashes) and fetches from its
-    own origin."""
-    markup = re.sub(rb"<!--.*?-->", b"", body, flags=re.S)  # a tag named in a comment is no element
-
-    def hashes(tag: bytes) -> str:
-        bodies = re.findall(rb"<%s>(.*?)</%s>" % (tag, tag), markup, re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in bodies)
-
-    return (f"default-src 'none'; script-src {hashes(b'script')}; style-src {hashes(b'style')}; "
-            "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+    return body, http.content_policy(body)
 
 
 async def serve(_request: web.Request) -> web.Response:
