@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client.checked import checked_generate
@@ -108,6 +109,13 @@ class RemoteSession:
         differ = (~same).nonzero()
         return int(differ[0]) if len(differ) else n
 
+    def truncate(self, length: int) -> None:
+        """Forget the tokens after the first `length`: the next step goes on from there (the peers overwrite
+        what their caches hold beyond it)."""
+        if self.tokens is not None and length < self.tokens.shape[1]:
+            self.tokens = self.tokens[:, :max(0, length)]
+            self.mask = None if self.mask is None else self.mask[:, :self.tokens.shape[1]]
+
     def close(self) -> None:
         self.model.connection.run(self.session.close(), timeout=30)
 
@@ -120,6 +128,29 @@ class RemoteSession:
     def __exit__(self, *exc) -> None:
         self.model.active_session = None
         self.close()
+
+
+class SwarmCache(Cache):
+    """A remote session's caches as transformers' generation sees a cache: its length is the session's, and
+    `crop` rolls the session back by position (`RemoteSession.truncate`). What assisted generation needs:
+    after a pass over drafted tokens, it crops the rejected ones, and the next step goes on from the last
+    accepted token. It holds no tensors: the caches live on the peers."""
+
+    def __init__(self, remote: RemoteSession):
+        super().__init__(layers=[])
+        self.remote = remote
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.remote.position
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens (transformers passes a negative count; a positive one is
+        the length to keep, as older callers meant it)."""
+        self.remote.truncate(self.remote.position + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove)
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -191,13 +222,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, cache: Cache | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
         """Logits for `input_ids`. Inside a session: only for the tokens that are new to it. Otherwise a
         stateless forward of the whole sequence through the swarm."""
         if inputs_embeds is not None or input_ids is None:
             raise BadRequest("pass input_ids: inputs_embeds are not supported")
         if self.active_session is not None:
-            return CausalLMOutputWithPast(logits=self.active_session.feed(input_ids, attention_mask))
+            return CausalLMOutputWithPast(logits=self.active_session.feed(input_ids, attention_mask), cache=cache)
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         hidden = self.head.embed(input_ids, 0, mask)
         out = self.connection.run(self.connection.client.forward(hidden, mask))
@@ -213,9 +245,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if ids is None or args:
             raise BadRequest("generate needs input ids (and takes its other arguments by name)")
         if self.active_session is not None:
-            return checked_generate(super().generate, self.active_session, ids, kwargs)
+            return checked_generate(self._generate_in(self.active_session), self.active_session, ids, kwargs)
         with self.inference_session(max_length=self._max_length(ids.shape[1], kwargs)) as remote:
-            return checked_generate(super().generate, remote, ids, kwargs)
+            return checked_generate(self._generate_in(remote), remote, ids, kwargs)
+
+    def _generate_in(self, remote: RemoteSession) -> Callable:
+        """transformers' generate for a session: assisted generation (`prompt_lookup_num_tokens`,
+        `assistant_model`) gets the session as a cache it can crop."""
+        def generate(ids, **kwargs):
+            if kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None:
+                kwargs.setdefault("cache", SwarmCache(remote))
+            return super(DistributedModelForCausalLM, self).generate(ids, **kwargs)
+
+        return generate
 
     def _max_length(self, prompt_length: int, kwargs: dict) -> int:
         config = kwargs.get("generation_config") or self.generation_config
