@@ -226,7 +226,8 @@ class Gateway:
                                 logprobs=req.logprobs, echo=echo)
         shape = await self._grammar(req.common.structure, None)
         samplings = [req.common.settled(max_tokens, logprobs=req.logprobs, grammar=shape,
-                                        prompt_logprobs=req.echo and req.logprobs is not None)
+                                        prompt_logprobs=req.echo and req.logprobs is not None,
+                                        speculate=self.config.speculative_tokens)
                      for _, max_tokens in prompts]
         return await self._generate(request, bodies, [ids for ids, _ in prompts], samplings, req.common)
 
@@ -245,8 +246,9 @@ class Gateway:
         bodies = ResponseBodies("chat.completion", self.model_id, req.common.sampling.n, self.tokenizer,
                                 logprobs=req.logprobs, tools=req.tools)
         shape = await self._grammar(req.common.structure, req.tools)
-        return await self._generate(request, bodies, [ids], [req.common.settled(max_tokens, logprobs=req.logprobs,
-                                                                                grammar=shape)], req.common)
+        sampling = req.common.settled(max_tokens, logprobs=req.logprobs, grammar=shape,
+                                      speculate=self.config.speculative_tokens)
+        return await self._generate(request, bodies, [ids], [sampling], req.common)
 
     async def _grammar(self, structure: tuple[str, Any] | None, tools: api_tools.Tools | None) -> Any:
         return await asyncio.get_running_loop().run_in_executor(
@@ -347,6 +349,9 @@ class Gateway:
             self.metrics.seconds.labels(endpoint).observe(time.perf_counter() - started)
             self.metrics.tokens.labels("prompt").inc(sum(g.prompt_tokens for g in gens))
             self.metrics.tokens.labels("completion").inc(sum(g.completion_tokens for g in gens))
+            accepted = sum(g.accepted for g in gens)
+            self.metrics.drafts.labels("accepted").inc(accepted)
+            self.metrics.drafts.labels("rejected").inc(sum(g.drafted for g in gens) - accepted)
             failovers = [f for g in gens for f in g.failovers]
             for f in failovers:
                 self.metrics.failovers.labels(f.reason).inc()

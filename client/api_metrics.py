@@ -22,6 +22,8 @@ class ApiMetrics:
         self.token_seconds = Histogram("swarm_api_token_seconds", "time between consecutive tokens of a "
                                        "generation", buckets=metrics.LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("swarm_api_failovers", "peers replaced during generations", ["reason"], registry=r)
+        self.drafts = Counter("swarm_api_drafted_tokens", "tokens drafted by prompt lookup (speculative decoding), "
+                              "by whether the model kept them", ["outcome"], registry=r)
         self.cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",
                                  registry=r)
 

@@ -31,8 +31,11 @@ def generation_kwargs(args: argparse.Namespace, tokenizer) -> dict:
     stop = stop_token_ids(tokenizer)
     if stop:
         kwargs["eos_token_id"] = stop
+    speculate = getattr(args, "speculative_tokens", 0) or 0
+    if speculate < 0:
+        raise ConfigError("--speculative-tokens must be 0 or more")
     if args.temperature is None or args.temperature == 0:
-        return {**kwargs, "do_sample": False}
+        return {**kwargs, "do_sample": False, **({"prompt_lookup_num_tokens": speculate} if speculate else {})}
     if not args.temperature > 0:
         raise ConfigError("--temperature must be positive")
     if args.seed is not None:

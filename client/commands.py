@@ -24,6 +24,9 @@ def _generation_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this probability mass")
     p.add_argument("--top-k", type=int, default=None, help="sample among this many most likely tokens")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="greedy only: draft up to K tokens "
+                   "per step by prompt lookup (transformers' prompt_lookup_num_tokens): fewer round trips when the "
+                   "answer copies from the prompt, the same tokens (default: 0, off)")
 
 
 def register_generate(sub: argparse._SubParsersAction) -> None:

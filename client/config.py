@@ -86,6 +86,9 @@ class ApiConfig:
     max_n: int = option(4, help="the largest n (choices per request)")
     max_prompts: int = option(16, help="prompts per completions request at most (they run at once, in one "
                               "generation slot)")
+    speculative_tokens: int = option(8, help="tokens a greedy request may draft per step by prompt lookup (fewer "
+                                     "round trips when the answer copies from its context; the number adapts to "
+                                     "what the model accepts); 0: off")
     max_logprobs: int = option(20, help="the most likely tokens a request may ask for at each position "
                                "(logprobs, top_logprobs)")
     max_connections: int = option(512, help="open HTTP connections at most")
@@ -103,6 +106,8 @@ class ApiConfig:
                               "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after"),
                        ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
         check_port(self.port, "--port")
+        if self.speculative_tokens < 0 or self.max_logprobs < 0:
+            raise ConfigError("--speculative-tokens and --max-logprobs must be 0 or more")
 
     @property
     def limits(self):

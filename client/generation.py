@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client.drafts import PromptLookup
 from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
 from client.session import Failover, InferenceSession
 from client.swarm_client import SwarmClient
@@ -105,6 +106,7 @@ class Generation:
         self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
         self.released = 0  # tokens whose deltas were given out
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when `sampling.prompt_logprobs`
+        self.drafted = self.accepted = 0  # tokens drafted by prompt lookup, and those the model kept
         self.session: InferenceSession | None = None
 
     @property
@@ -135,6 +137,7 @@ class Generation:
         saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
         pending: list[list[Delta]] = []  # deltas of tokens made but not given out yet
         position, ids = 0, torch.tensor([self.prompt] * s.n, dtype=torch.int64)
+        drafter = PromptLookup(s.speculate) if self._can_speculate() else None
         try:
             for _ in range(MAX_REWINDS + 1):
                 try:
@@ -149,15 +152,26 @@ class Generation:
                         yield [Delta(c.index, "", "length") for c in self.choices]
                         return
                     while len(made) < s.max_tokens and not all(c.finish_reason for c in self.choices):
-                        hidden = await self._in_pool(self.head.embed, ids, position)
+                        drafts = [] if drafter is None or position < prompt else drafter.propose(
+                            self.prompt + [t for (t,) in made], s.max_tokens - len(made) - 1)
+                        feed = torch.cat([ids, torch.tensor([drafts], dtype=torch.int64)], 1) if drafts else ids
+                        hidden = await self._in_pool(self.head.embed, feed, position)
                         out = await session.step(hidden, position)
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
-                        tokens, logprobs = await self._in_pool(self._next_tokens, sampler, out[:, -1])
-                        made.append(tokens)
-                        pending.append(self._advance(tokens, last=len(made) == s.max_tokens, logprobs=logprobs))
-                        saved.append(self._save(sampler))
-                        position, ids = prompt + len(made) - 1, torch.tensor(tokens, dtype=torch.int64)[:, None]
+                        if drafts:  # the model's own token at each fed position, up to the first draft it rejects
+                            step = await self._in_pool(self._checked_drafts, sampler, out[0], drafts)
+                            drafter.accepted(len(drafts), len(step) - 1)
+                            self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(step) - 1
+                        else:
+                            step = [await self._in_pool(self._next_tokens, sampler, out[:, -1])]
+                        for tokens, logprobs in step:
+                            if len(made) == s.max_tokens or all(c.finish_reason for c in self.choices):
+                                break
+                            made.append(tokens)
+                            pending.append(self._advance(tokens, last=len(made) == s.max_tokens, logprobs=logprobs))
+                            saved.append(self._save(sampler))
+                        position, ids = prompt + len(made) - 1, torch.tensor(made[-1], dtype=torch.int64)[:, None]
                         if out_now := self._release(pending, len(made), session.verified_length - prompt + 1):
                             self.first_token_s = self.first_token_s or time.perf_counter() - started
                             saved[:self.released] = [None] * self.released  # never rewound to: released
@@ -208,6 +222,26 @@ class Generation:
         choices, sampler_state = state
         self.choices = [_copy(c) for c in choices]
         sampler.restore(sampler_state)
+
+    def _can_speculate(self) -> bool:
+        """Drafts are checked against the argmax of plain logits: one greedy choice, nothing that keeps
+        state from token to token (penalties, a grammar)."""
+        s = self.sampling
+        return s.speculate > 0 and s.n == 1 and s.greedy and s.grammar is None and not s.presence_penalty \
+            and not s.frequency_penalty and s.repetition_penalty == 1.0
+
+    def _checked_drafts(self, sampler: Sampler, out: torch.Tensor, drafts: list[int]) -> list[tuple]:
+        """The tokens a pass over [last token, drafts...] gives (`out` [1 + drafts, hidden]): the model's token
+        at each position, as long as it agrees with the draft there, then its own token once it does not."""
+        step = []
+        for j, logits in enumerate(self.head.logits(out[None])[0]):
+            tokens = sampler(logits[None])
+            logprobs = None if self.sampling.logprobs is None else logprobs_of(logits[None], torch.tensor(tokens),
+                                                                               self.sampling.logprobs)
+            step.append((tokens, logprobs))
+            if j == len(drafts) or tokens[0] != drafts[j] or tokens[0] in self.end_tokens:
+                break
+        return step
 
     def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> tuple[list[int], list[TokenLogprob] | None]:
         logits = self.head.logits(hidden)

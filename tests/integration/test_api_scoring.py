@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import urllib.error
 import urllib.request
 
@@ -15,8 +16,9 @@ import numpy as np
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from client.generation import stop_token_ids
 from swarm.records import default_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -215,3 +217,36 @@ def test_top_k_min_p_and_repetition_penalty(oai, model_id):
     assert runs[0] == runs[1]
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, extra_body={"repetition_penalty": -1})
+
+
+# ---- speculative decoding ----
+
+COPY = ("Rewrite this sentence word for word: The quick brown fox jumps over the lazy dog while the farmer watches "
+        "from the old wooden fence near the river, and the children laugh in the tall summer grass.")
+
+
+def drafted(api: str) -> dict[str, float]:
+    with urllib.request.urlopen(api.removesuffix("/v1") + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {outcome: float(value) for outcome, value in
+            re.findall(r'^swarm_api_drafted_tokens_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_speculative_decoding_gives_the_same_text_in_fewer_steps(oai, api, model_id, tokenizer, local, demo_model_dir):
+    """Greedy requests draft tokens by prompt lookup (on by default); a copying answer has them accepted, and
+    the text is transformers' greedy text, streamed or not."""
+    messages = [{"role": "user", "content": COPY}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    with torch.no_grad():
+        out = local.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                             max_new_tokens=32, do_sample=False, pad_token_id=0,
+                             eos_token_id=stop_token_ids(tokenizer, GenerationConfig.from_pretrained(demo_model_dir)))
+    want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    before = drafted(api)
+    reply = oai.chat.completions.create(model=model_id, messages=messages, max_tokens=32, temperature=0)
+    assert reply.choices[0].message.content == want
+    after = drafted(api)
+    assert after.get("accepted", 0) > before.get("accepted", 0)
+    chunks = oai.chat.completions.create(model=model_id, messages=messages, max_tokens=32, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want

@@ -67,9 +67,13 @@ def test_generation_is_greedy_without_a_temperature():
     assert kwargs["do_sample"] is False and kwargs["eos_token_id"] == [2, 7] and kwargs["pad_token_id"] == 2
     sampled = generation_kwargs(args(temperature=0.7, top_p=0.9, top_k=20, seed=1), Tokenizer())
     assert sampled["do_sample"] is True and (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.9, 20)
+    assert "prompt_lookup_num_tokens" not in kwargs
+    assert generation_kwargs(args(speculative_tokens=6), Tokenizer())["prompt_lookup_num_tokens"] == 6
+    assert "prompt_lookup_num_tokens" not in generation_kwargs(args(speculative_tokens=6, temperature=0.5), Tokenizer())
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(max_new_tokens=0)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(max_new_tokens=0),
+                                 dict(speculative_tokens=-1)])
 def test_bad_generation_options_are_config_errors(bad):
     with pytest.raises(ConfigError):
         generation_kwargs(args(**bad), Tokenizer())
