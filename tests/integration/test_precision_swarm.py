@@ -110,14 +110,19 @@ def generate(model, streamer=None) -> list[int]:
 def test_failover_with_compressed_activations_is_exact(mixed, tiny_llama):
     with DistributedModelForCausalLM.from_pretrained(
             tiny_llama, mixed.bootstrap_addrs, model_id=MODEL_ID, wire="float16", prefill_wire="int8",
-            prefill_wire_tokens=4, min_precision="float32") as remote:
+            prefill_wire_tokens=4, min_precision="float32", verify_fraction=0) as remote:
+        # no checked outputs: they hold tokens back from the streamer, so the fault could strike only after the
+        # last step (the failover of checked sessions is in test_trust)
         plain = generate(remote)
         session_wire = remote.connection.client.encodings([])
         assert (session_wire.decode, session_wire.prefill) == ("float16", "int8")
         fault = Fault(mixed, remote, lambda proc: mixed.stop(proc.name, signal.SIGKILL), FAULT_AFTER)
         assert generate(remote, fault) == plain
-        [failover] = fault.session.failovers
-        assert failover.reason == "connection_lost" and fault.victim.startswith("f32-")
+        # the victim is left either by a failover, or by the route check a few steps into a session when it runs
+        # right after the kill (the dead peer then measures as far costlier): a race, both exact
+        [moved] = fault.session.failovers + fault.session.session.reroutes
+        assert moved.reason in ("connection_lost", "rerouted") and fault.victim.startswith("f32-")
+        assert moved.failed_peer == mixed.procs[fault.victim].peer_id
         bf16 = mixed.procs["bf16"].peer_id
         assert all(h.peer != bf16 for h in fault.session.route)  # below the minimum precision: never used
 
