@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
+from pathlib import Path
 
 from swarm.launch import LocalSwarm, Proc, pid_alive, wait_until
 
-__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "start_split", "Fault", "MODEL_ID",
+__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "start_split", "replicated_swarm", "Fault",
+           "MODEL_ID",
            "CACHE_TOKENS", "IDLE_TIMEOUT", "MAX_SESSIONS", "PEER_OPTIONS"]
 
 
@@ -40,6 +44,24 @@ def start_split(net: LocalSwarm, model, spans=(("head-span", "0:3"), ("tail", "3
         net.start_peer(name, model, "--blocks", blocks, *PEER_OPTIONS, wait=False)
     for name, _ in spans:
         net.wait_serving(net.procs[name])
+
+
+REPLICATED = (("head-span", "0:3"), ("replica-a", "3:6"), ("replica-b", "3:6"))
+
+
+@contextlib.contextmanager
+def replicated_swarm(root: Path, model):
+    """A swarm of its own: blocks [0:3) on one peer, [3:6) on two replicas (what failover tests fault). On
+    exit every peer is resumed first (a test that failed half-way may leave one stopped), then all stop."""
+    net = LocalSwarm(root)
+    try:
+        start_split(net, model, REPLICATED)
+        yield net
+    finally:
+        for proc in net.procs.values():
+            if proc.alive():
+                os.kill(proc.popen.pid, signal.SIGCONT)
+        net.stop_all()
 
 
 class Fault:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from swarm.errors import NoRoute
-from swarm_harness import Fault, LocalSwarm, MODEL_ID, PEER_OPTIONS
+from swarm_harness import Fault, MODEL_ID, replicated_swarm
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +30,8 @@ FAULT_AFTER = 8  # tokens generated before the fault
 
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory, tiny_llama):
-    net = LocalSwarm(tmp_path_factory.mktemp("failover"))
-    try:
-        net.start_bootstrap()
-        net.start_peer("head-span", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, wait=False)
-        net.start_peer("replica-a", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
-        net.start_peer("replica-b", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
-        for name in ("head-span", "replica-a", "replica-b"):
-            net.wait_serving(net.procs[name])
+    with replicated_swarm(tmp_path_factory.mktemp("failover"), tiny_llama) as net:
         yield net
-    finally:
-        for proc in net.procs.values():  # a test that failed half-way may leave a peer stopped
-            if proc.alive():
-                os.kill(proc.popen.pid, signal.SIGCONT)
-        net.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.model import DistributedModelForCausalLM
 from swarm.records import default_model_id
-from swarm_harness import Fault, LocalSwarm, MODEL_ID, PEER_OPTIONS
+from swarm_harness import Fault, MODEL_ID, replicated_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -74,20 +74,8 @@ def test_an_assistant_model_through_the_swarm_equals_plain_greedy(demo, demo_loc
 
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory, tiny_llama):
-    net = LocalSwarm(tmp_path_factory.mktemp("speculative"))
-    try:
-        net.start_bootstrap()
-        net.start_peer("head-span", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, wait=False)
-        net.start_peer("replica-a", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
-        net.start_peer("replica-b", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS, wait=False)
-        for name in ("head-span", "replica-a", "replica-b"):
-            net.wait_serving(net.procs[name])
+    with replicated_swarm(tmp_path_factory.mktemp("speculative"), tiny_llama) as net:
         yield net
-    finally:
-        for proc in net.procs.values():
-            if proc.alive():
-                os.kill(proc.popen.pid, signal.SIGCONT)
-        net.stop_all()
 
 
 def test_a_peer_frozen_mid_speculation_is_replaced_exactly(replicated, tiny_llama):
