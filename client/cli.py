@@ -98,18 +98,70 @@ def describe_route(hops) -> str:
     return " -> ".join(["head", *(str(h) for h in hops), "head"])
 
 
-def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat: bool) -> dict:
-    """Generate a continuation of `prompt` (wrapped in the chat template if `chat`), streamed to stdout;
-    returns the streamer's timing figures."""
+def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat: bool, out=sys.stdout) -> dict:
+    """Generate a continuation of `prompt` (wrapped in the chat template if `chat`), streamed to `out`; returns
+    the token count, time to first token and decode speed. It runs as `swarm api` runs a request
+    (`client.generation`): prompt-lookup drafts checked in one step (`--speculative-tokens`, adapted to what
+    the model accepts), greedy or sampled with the same tokens as without drafts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client.generation import Generation, stop_token_ids
+    from client.sampling import Sampling
+
     text = prompt
     if chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    streamer = TimedStreamer(tokenizer)
-    started = time.perf_counter()
-    model.generate(ids, attention_mask=ids.new_ones(ids.shape), streamer=streamer, **generation_kwargs(args, tokenizer))
-    return streamer.stats(started)
+    ids = tokenizer(text)["input_ids"]
+    sampling = Sampling(max_tokens=args.max_new_tokens, **sampling_options(args))
+    times: list[float] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="swarm-head") as pool:
+        gen = Generation(model.connection.client, model.head, tokenizer, pool, ids, sampling,
+                         stop_token_ids(tokenizer, model.generation_config))
+
+        async def run() -> None:
+            try:
+                async for deltas in gen.run():
+                    for delta in deltas:
+                        out.write(delta.text)
+                        out.flush()
+                    made = gen.completion_tokens - len(times)
+                    times.extend([time.perf_counter()] * made)  # tokens released together arrive together
+            finally:
+                if gen.closing is not None:
+                    await gen.closing
+
+        started = time.perf_counter()
+        # every step is bounded by its deadlines, failovers and waits for blocks included
+        connection = model.connection
+        connection.run(run(), connection.longest_wait + sampling.max_tokens * connection.config.step_timeout)
+    tokens = len(times)
+    decode = times[-1] - times[0] if tokens > 1 else 0.0
+    return {"tokens": tokens, "ttft_s": times[0] - started if tokens else None,
+            "tokens_per_s": (tokens - 1) / decode if decode > 0 else 0.0, "drafted": gen.drafted,
+            "accepted": gen.accepted}
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """`client.sampling.Sampling` fields from the command line: greedy unless a temperature is given."""
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be positive")
+    if args.speculative_tokens < 0:
+        raise ConfigError("--speculative-tokens must be 0 or more")
+    options = dict(temperature=0.0, seed=args.seed, speculate=args.speculative_tokens)
+    if args.temperature is not None and args.temperature != 0:
+        if not args.temperature > 0:
+            raise ConfigError("--temperature must be positive")
+        options["temperature"] = args.temperature
+    if args.top_p is not None:
+        if not 0 < args.top_p <= 1:
+            raise ConfigError("--top-p must be in (0, 1]")
+        options["top_p"] = args.top_p
+    if args.top_k is not None:
+        if args.top_k < 0:
+            raise ConfigError("--top-k must be 0 or more")
+        options["top_k"] = args.top_k
+    return options
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -121,7 +173,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"[generate] route: {describe_route(model.route())}", file=sys.stderr)
         stats = stream_answer(model, tokenizer, args.prompt, args, chat=args.chat)
     print(file=sys.stderr)
-    print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    drafts = f", {stats['accepted']} of {stats['drafted']} drafted tokens kept" if stats["drafted"] else ""
+    print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s{drafts}",
+          file=sys.stderr)
     return 0
 
 

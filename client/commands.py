@@ -18,15 +18,13 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     add_options(p, ClientConfig)
 
 
-def _generation_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def _generation_options(p: argparse.ArgumentParser, max_new_tokens: int, speculate: int, speculate_help: str) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="how many tokens to generate at most")
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this probability mass")
     p.add_argument("--top-k", type=int, default=None, help="sample among this many most likely tokens")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="greedy only: draft up to K tokens "
-                   "per step by prompt lookup (transformers' prompt_lookup_num_tokens): fewer round trips when the "
-                   "answer copies from the prompt, the same tokens (default: 0, off)")
+    p.add_argument("--speculative-tokens", type=int, default=speculate, metavar="K", help=speculate_help)
 
 
 def register_generate(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +34,9 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _client_options(p)
-    _generation_options(p, 64)
+    _generation_options(p, 64, 16, "draft up to K tokens per step by prompt lookup, checked in one step through the "
+                        "swarm: fewer round trips when the answer copies from the prompt, the same tokens; the "
+                        "number adapts to what the model accepts (default: 16; 0: off)")
     p.set_defaults(run=lambda args: _load("run_generate")(args))
 
 
@@ -47,7 +47,9 @@ def register_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--max-length", type=int, default=2048, help="tokens the whole conversation may use")
     _client_options(p)
-    _generation_options(p, 256)
+    _generation_options(p, 256, 0, "greedy only: draft up to K tokens per step with transformers' prompt lookup "
+                        "(prompt_lookup_num_tokens), the same tokens; its draft length does not adapt, so it is off "
+                        "by default (0)")
     p.set_defaults(run=lambda args: _load("run_chat")(args))
 
 
@@ -82,7 +84,7 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
                    help=f"the peers' dtype (default: {DEMO_DTYPE}; see docs/operations.md)")
     p.add_argument("--quant", default=DEMO_QUANT, choices=["none", "int8", "nf4"],
                    help=f"the peers' weight format (default: {DEMO_QUANT})")
-    _generation_options(p, 96)
+    _generation_options(p, 96, 16, "draft up to K tokens per step by prompt lookup (default: 16; 0: off)")
     p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args))
 
 

@@ -27,6 +27,9 @@ class ClientConfig:
                                "float32, float16, bfloat16, int8 (blockwise 8-bit), or auto (int8 when the route "
                                "computes in 16 bits or quantized, else as --wire)")
     prefill_wire_tokens: int = option(64, help="steps of at least this many tokens use --prefill-wire")
+    prefill_chunk: int = option(128, help="a prompt of at least twice this many tokens goes through the route in "
+                                "chunks of this many, so that peers work on different chunks at once (at least 64; "
+                                "0: one step)")
     min_precision: str = option("nf4", help="route only through peers whose weights are at least this precise: "
                                 "nf4 (any), int8, 16bit or float32")
     refresh_interval: float = option(10.0, help="seconds a view of who serves what is reused before reading the "
@@ -68,6 +71,8 @@ class ClientConfig:
                               f"{self.prefill_wire!r}")
         if self.min_precision not in PRECISIONS:
             raise ConfigError(f"--min-precision must be one of {', '.join(PRECISIONS)}, not {self.min_precision!r}")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"--prefill-chunk must be 0 or more, not {self.prefill_chunk}")
         if not 0 <= self.verify_fraction <= 1:
             raise ConfigError(f"--verify-fraction must be in [0, 1], not {self.verify_fraction}")
         if not (math.isfinite(self.wait_for_blocks) and self.wait_for_blocks >= 0):
@@ -86,9 +91,9 @@ class ApiConfig:
     max_n: int = option(4, help="the largest n (choices per request)")
     max_prompts: int = option(16, help="prompts per completions request at most (they run at once, in one "
                               "generation slot)")
-    speculative_tokens: int = option(8, help="tokens a greedy request may draft per step by prompt lookup (fewer "
-                                     "round trips when the answer copies from its context; the number adapts to "
-                                     "what the model accepts); 0: off")
+    speculative_tokens: int = option(16, help="tokens a request (n 1) may draft per step by prompt lookup (fewer "
+                                     "round trips when the answer copies from its context, the same text; the "
+                                     "number adapts to what the model accepts); 0: off")
     max_logprobs: int = option(20, help="the most likely tokens a request may ask for at each position "
                                "(logprobs, top_logprobs)")
     max_connections: int = option(512, help="open HTTP connections at most")

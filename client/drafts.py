@@ -6,13 +6,15 @@ that can guess its next tokens sends them along and keeps the ones the model agr
 several tokens. Prompt lookup guesses by finding the sequence's last few tokens (an n-gram) earlier in
 the prompt or the output and proposing what followed them there: it costs no model and pays on copying,
 rewriting, code editing and quoting. `PromptLookup.propose` tries the longest n-gram (3 tokens, then 2)
-first and the most recent match; `accepted` adapts the draft length the way transformers' assisted generation does (two more
-after a step that accepted every draft, one fewer otherwise) and pauses drafting after a few steps in a
-row that accepted none, so an answer that copies nothing pays almost nothing for trying.
+first and the most recent match. It drafts `START_TOKENS` at first; `accepted` adapts the draft length the
+way transformers' assisted generation does (two more after a step that accepted every draft, one fewer
+otherwise) and pauses drafting after a few steps in a row that accepted none, so an answer that copies
+nothing pays almost nothing for trying.
 """
 
 from __future__ import annotations
 
+START_TOKENS = 8  # drafted at first: a copied span is usually longer; a wrong guess costs one step's extra positions
 MAX_NGRAM = 3  # longest n-gram looked up
 MIN_NGRAM = 2  # shortest: a single repeated token is too weak a hint (most such drafts are rejected)
 MISSES_BEFORE_PAUSE = 2  # steps in a row with no draft accepted before drafting pauses
@@ -23,7 +25,7 @@ LOOKBACK = 4096  # tokens searched for a match, most recent first
 class PromptLookup:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.k = min(4, max_tokens)  # tokens to draft next
+        self.k = min(START_TOKENS, max_tokens)  # tokens to draft next
         self.misses = 0
         self.paused = 0
 

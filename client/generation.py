@@ -159,18 +159,18 @@ class Generation:
                         out = await session.step(hidden, position)
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
-                        if drafts:  # the model's own token at each fed position, up to the first draft it rejects
+                        if drafts:  # the token chosen at each fed position, up to the first draft it differs from
                             step = await self._in_pool(self._checked_drafts, sampler, out[0], drafts)
                             drafter.accepted(len(drafts), len(step) - 1)
                             self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(step) - 1
                         else:
                             step = [await self._in_pool(self._next_tokens, sampler, out[:, -1])]
-                        for tokens, logprobs in step:
+                        for tokens, logprobs, state in step:
                             if len(made) == s.max_tokens or all(c.finish_reason for c in self.choices):
                                 break
                             made.append(tokens)
                             pending.append(self._advance(tokens, last=len(made) == s.max_tokens, logprobs=logprobs))
-                            saved.append(self._save(sampler))
+                            saved.append(([_copy(c) for c in self.choices], state))
                         position, ids = prompt + len(made) - 1, torch.tensor(made[-1], dtype=torch.int64)[:, None]
                         if out_now := self._release(pending, len(made), session.verified_length - prompt + 1):
                             self.first_token_s = self.first_token_s or time.perf_counter() - started
@@ -224,31 +224,34 @@ class Generation:
         sampler.restore(sampler_state)
 
     def _can_speculate(self) -> bool:
-        """Drafts are checked against the argmax of plain logits: one greedy choice, nothing that keeps
-        state from token to token (penalties, a grammar)."""
-        s = self.sampling
-        return s.speculate > 0 and s.n == 1 and s.greedy and s.grammar is None and not s.presence_penalty \
-            and not s.frequency_penalty and s.repetition_penalty == 1.0
+        """Drafts need one choice: the choices of a request share one session, which holds one length."""
+        return self.sampling.speculate > 0 and self.sampling.n == 1
 
     def _checked_drafts(self, sampler: Sampler, out: torch.Tensor, drafts: list[int]) -> list[tuple]:
-        """The tokens a pass over [last token, drafts...] gives (`out` [1 + drafts, hidden]): the model's token
-        at each position, as long as it agrees with the draft there, then its own token once it does not."""
+        """The tokens a pass over [last token, drafts...] gives (`out` [1 + drafts, hidden]), each with its
+        log-probabilities and the sampler's state after it: the sampler chooses at each position in turn, as
+        it would have one step at a time, for as long as it chooses the draft there; the first token that
+        differs from the draft ends the step. A token chosen at a position is the token decoding without
+        drafts chooses there: its logits come from the same tokens before it, and the sampler (its random
+        generator, penalties, grammar) is in the same state. So the output, sampled or greedy, is the same."""
         step = []
         for j, logits in enumerate(self.head.logits(out[None])[0]):
-            tokens = sampler(logits[None])
-            logprobs = None if self.sampling.logprobs is None else logprobs_of(logits[None], torch.tensor(tokens),
-                                                                               self.sampling.logprobs)
-            step.append((tokens, logprobs))
-            if j == len(drafts) or tokens[0] != drafts[j] or tokens[0] in self.end_tokens:
+            step.append(self._choose(sampler, logits[None]))
+            token = step[-1][0][0]
+            if j == len(drafts) or token != drafts[j] or token in self.end_tokens:
                 break
         return step
 
-    def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> tuple[list[int], list[TokenLogprob] | None]:
-        logits = self.head.logits(hidden)
+    def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> tuple:
+        """The next token of each choice from the last layer's `hidden` [n, hidden], its log-probabilities when
+        asked for, and the sampler's state after it."""
+        return self._choose(sampler, self.head.logits(hidden))
+
+    def _choose(self, sampler: Sampler, logits: torch.Tensor) -> tuple:
         tokens = sampler(logits)
-        if self.sampling.logprobs is None:
-            return tokens, None
-        return tokens, logprobs_of(logits, torch.tensor(tokens), self.sampling.logprobs)
+        logprobs = None if self.sampling.logprobs is None else logprobs_of(logits, torch.tensor(tokens),
+                                                                           self.sampling.logprobs)
+        return tokens, logprobs, sampler.state()
 
     def _decode_next(self, choice: Choice, flush: bool) -> str:
         """The text the choice's newest context token adds; '' while it ends in an incomplete character

@@ -76,8 +76,10 @@ class RemoteSession:
         ids = input_ids if self.tokens is None else torch.cat([self.tokens, input_ids.to(self.tokens.dtype)], 1)
         return self.feed(ids, attention_mask)
 
-    def feed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for the part of `input_ids` [batch, length] after its common prefix with the session."""
+    def feed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """Logits for the part of `input_ids` [batch, length] after its common prefix with the session (only
+        of its last `logits_to_keep` positions, when that is an int above 0; of those indices, as a tensor)."""
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise BadRequest(f"input ids must be [batch, tokens >= 1], got {list(input_ids.shape)}")
         if attention_mask is not None and bool(attention_mask.all()) and self.mask is None:
@@ -97,7 +99,7 @@ class RemoteSession:
                 self.mask = None if self.mask is None else self.mask[:, :self.tokens.shape[1]]
             raise
         self.tokens, self.mask = input_ids.clone(), None if attention_mask is None else attention_mask.clone()
-        return self.model.head.logits(out)
+        return self.model.head.logits(kept_positions(out, logits_to_keep))
 
     def _common_prefix(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int:
         if self.tokens is None or self.tokens.shape[0] != ids.shape[0]:
@@ -128,6 +130,13 @@ class RemoteSession:
     def __exit__(self, *exc) -> None:
         self.model.active_session = None
         self.close()
+
+
+def kept_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of `hidden` [batch, tokens, hidden] whose logits are wanted (transformers' convention)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden[:, logits_to_keep.to(hidden.device)]
+    return hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
 
 
 class SwarmCache(Cache):
@@ -223,17 +232,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, cache: Cache | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, **kwargs) -> CausalLMOutputWithPast:
         """Logits for `input_ids`. Inside a session: only for the tokens that are new to it. Otherwise a
-        stateless forward of the whole sequence through the swarm."""
+        stateless forward of the whole sequence through the swarm. `logits_to_keep` as transformers' models
+        take it: an int n > 0 keeps the last n positions' logits (what `generate` asks for: the LM head of a
+        whole prompt costs more than a peer's blocks on a small model), a tensor keeps those indices."""
         if inputs_embeds is not None or input_ids is None:
             raise BadRequest("pass input_ids: inputs_embeds are not supported")
         if self.active_session is not None:
-            return CausalLMOutputWithPast(logits=self.active_session.feed(input_ids, attention_mask), cache=cache)
+            return CausalLMOutputWithPast(logits=self.active_session.feed(input_ids, attention_mask, logits_to_keep),
+                                          cache=cache)
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         hidden = self.head.embed(input_ids, 0, mask)
         out = self.connection.run(self.connection.client.forward(hidden, mask))
-        return CausalLMOutputWithPast(logits=self.head.logits(out))
+        return CausalLMOutputWithPast(logits=self.head.logits(kept_positions(out, logits_to_keep)))
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         # the whole sequence every time: the session itself finds what is new (see the module docstring)

@@ -44,7 +44,7 @@ class Sampling:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
     prompt_logprobs: bool = False  # also score the prompt's tokens (completions' `echo` with `logprobs`)
     grammar: Any = None  # a `client.grammar.Grammar` every choice must follow (structured output), or None
-    speculate: int = 0  # tokens a greedy generation may draft per step (prompt lookup; `client.drafts`); 0: off
+    speculate: int = 0  # tokens a generation of one choice may draft per step (`client.drafts`); 0: off
 
     @property
     def greedy(self) -> bool:

@@ -52,6 +52,7 @@ from client.encodings import REPLAY_ENCODING, Encodings
 from client.chaining import ChainedSteps
 from client.failures import Attempts, reason_of
 from client.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, check_plausible, step_mask
+from client.pipeline import PipelinedSteps
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient
 from client.verify import Verifier
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class InferenceSession(ChainedSteps):
+class InferenceSession(ChainedSteps, PipelinedSteps):
     """`async with InferenceSession(client, max_length) as s: out = await s.step(hidden)`.
 
     `on_wait(message)`: called (on the event loop) when a step begins to wait for blocks to be served
@@ -92,6 +93,7 @@ class InferenceSession(ChainedSteps):
         self.verifier: Verifier | None = None  # checks the hops' outputs (`verify_fraction` > 0)
         self.relay_next = False  # after a rewind, later hops hold more than the session: the next step is relayed
         self.hop_inputs = {"sent": 0, "pushed": 0}  # hop inputs the client sent, and those a peer pushed on
+        self.pipelined = 0  # steps that went through the route in chunks (`client.pipeline`)
         self._chain_began = 0.0  # when the last chained step was sent: a failover's stall counts from there
         self.closed = False
         self._closing: set[asyncio.Task] = set()  # sessions of replaced hops, closed in the background
@@ -169,15 +171,23 @@ class InferenceSession(ChainedSteps):
         # what the first peer decodes, kept as sent; every later hop's input is an output as decoded
         encoding = self.encodings.for_tokens(tokens)
         x, i, failed = wire_hidden.round_trip(hidden, encoding), 0, None
+        not_opened = await self._open_fresh(position) if position == 0 else {}
+        if not not_opened and self._can_pipeline(tokens):
+            out = await self._pipeline(x, position, mask, encoding)
+            if out is None:  # a hop failed: the peers may hold chunks past `position`, so the step is relayed
+                chainable = False
+            else:
+                x, i = out, len(self.links)
         while i < len(self.links):
             if failed is None and chainable and self._can_chain(i):
                 i, x, failed = await self._chain(i, x, position, mask, encoding)
                 # after an altered push, later hops hold a step computed on it: relay the rest (a rollback)
                 chainable = not isinstance(failed, ChainMismatch)
                 continue
+            began = self._chain_began if failed else None
+            failed = failed or not_opened.pop(id(self.links[i]), None)
             self.hop_inputs["sent"] += failed is None
-            out = await self._through(i, x, position, mask, failed, self._chain_began if failed else None,
-                                      encoding)
+            out = await self._through(i, x, position, mask, failed, began, encoding)
             failed = None
             self._record(i, x, position)
             x, i = out, i + 1
@@ -409,6 +419,22 @@ class InferenceSession(ChainedSteps):
         task = asyncio.create_task(self.client.close_session(link.hop.peer, session))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+    async def _open_fresh(self, position: int) -> dict[int, BaseException]:
+        """Open the sessions of every link that has none, all at once (a step at position 0 replays nothing),
+        so the first step pays one open, not one per hop, and can be chained. The error of each link whose
+        open failed, by the link's id: its step hands it to the failover as a failure of that peer."""
+        fresh = [link for link in self.links if link.session is None]
+        if len(fresh) < 2:
+            return {}
+        results = await asyncio.gather(*(self._open(link, position, None) for link in fresh), return_exceptions=True)
+        errors = {}
+        for link, result in zip(fresh, results):
+            if isinstance(result, (asyncio.TimeoutError, SwarmError)):  # what a failed step hands the failover
+                errors[id(link)] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return errors
 
     async def _open(self, link: Link, position: int, mask: torch.Tensor | None) -> None:
         """Open a session on the link's peer and replay the hop's history into it."""

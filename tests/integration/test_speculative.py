@@ -5,6 +5,8 @@ speculative run."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 import signal
 
@@ -12,6 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from client.cli import stream_answer
+from client.generation import stop_token_ids
 from client.model import DistributedModelForCausalLM
 from swarm.records import default_model_id
 from swarm_harness import Fault, MODEL_ID, replicated_swarm
@@ -72,6 +76,34 @@ def test_an_assistant_model_through_the_swarm_equals_plain_greedy(demo, demo_loc
     assert demo.generate(ids, assistant_model=demo_local, **kwargs).tolist() == want
 
 
+def answer(model, tokenizer, speculate: int, **sampling) -> tuple[str, dict]:
+    """`swarm generate --chat`'s answer to the copying prompt (through `client.generation`), and its figures."""
+    args = argparse.Namespace(**{"max_new_tokens": 40, "temperature": None, "top_p": None, "top_k": None,
+                                 "seed": None, "speculative_tokens": speculate, **sampling})
+    out = io.StringIO()
+    stats = stream_answer(model, tokenizer, COPY, args, chat=True, out=out)
+    return out.getvalue(), stats
+
+
+def test_generate_drafts_by_default_and_gives_transformers_greedy_text(demo, demo_local, demo_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = copy_prompt(demo_model_dir)
+    want = demo_local.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                               pad_token_id=0, eos_token_id=stop_token_ids(tokenizer, demo_local.generation_config))
+    text, stats = answer(demo, tokenizer, speculate=8)
+    assert text == tokenizer.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    assert stats["accepted"] > 0 and stats["tokens"] == want.shape[1] - ids.shape[1]
+
+
+def test_seeded_sampling_with_drafts_gives_the_text_without_drafts(demo, demo_model_dir):
+    """Drafts checked by the sampler itself: a sampled run's tokens are those it chooses one step at a time."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    plain, _ = answer(demo, tokenizer, speculate=0, temperature=0.3, seed=11)
+    drafted, stats = answer(demo, tokenizer, speculate=8, temperature=0.3, seed=11)
+    assert drafted == plain and len(plain) > 40
+    assert stats["accepted"] > 0
+
+
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory, tiny_llama):
     with replicated_swarm(tmp_path_factory.mktemp("speculative"), tiny_llama) as net:
@@ -93,3 +125,37 @@ def test_a_peer_frozen_mid_speculation_is_replaced_exactly(replicated, tiny_llam
         finally:
             if fault.victim:
                 os.kill(replicated.procs[fault.victim].popen.pid, signal.SIGCONT)
+
+
+# ---- a long prompt in chunks (`client.pipeline`) ----
+
+LONG_PROMPT = torch.arange(300)[None] * 7 % 250 + 1
+
+
+def test_a_long_prompt_in_chunks_gives_the_same_tokens(replicated, tiny_llama):
+    kwargs = dict(attention_mask=torch.ones_like(LONG_PROMPT), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    want = local.generate(LONG_PROMPT, **kwargs).tolist()
+    with DistributedModelForCausalLM.from_pretrained(tiny_llama, replicated.bootstrap_addrs, model_id=MODEL_ID,
+                                                     verify_fraction=0, prefill_chunk=64) as remote:
+        with remote.inference_session(max_length=400) as session:
+            assert remote.generate(LONG_PROMPT, **kwargs).tolist() == want
+            assert session.session.pipelined == 1  # 300 tokens: chunks of 64, 64, 64 and 108
+
+
+def test_a_peer_lost_in_a_chunked_prompt_is_replaced_exactly(replicated, tiny_llama):
+    """The session is open on both hops; the hop after the first dies before a long prompt step: the chunks
+    stop, and the step runs again hop by hop, failing over to the other replica."""
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    short, kwargs = LONG_PROMPT[:, :10], dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = local.generate(LONG_PROMPT, **kwargs).tolist()
+    with DistributedModelForCausalLM.from_pretrained(tiny_llama, replicated.bootstrap_addrs, model_id=MODEL_ID,
+                                                     verify_fraction=0, prefill_chunk=64) as remote:
+        with remote.inference_session(max_length=400) as session:
+            remote.generate(short, **kwargs)
+            peer = next(h.peer for h in session.route if h.span.start == 3)
+            victim = next(name for name, proc in replicated.procs.items() if proc.peer_id == peer)
+            os.kill(replicated.procs[victim].popen.pid, signal.SIGKILL)
+            replicated.procs[victim].popen.wait(10)
+            assert remote.generate(LONG_PROMPT, **kwargs).tolist() == want
+            assert session.session.pipelined == 0 and [f.failed_peer for f in session.failovers] == [peer]

@@ -77,15 +77,16 @@ class ScriptedSession:
         pass
 
 
-def run(lie_at: int, found_after: int, lag: int, max_tokens: int = 12) -> tuple[str, list[str], ScriptedSession]:
+def run(lie_at: int, found_after: int, lag: int, max_tokens: int = 12,
+        **sampling) -> tuple[str, list[str], ScriptedSession]:
     tokenizer = byte_tokenizer(eos_token="<eos>")
     session = ScriptedSession(lie_at, found_after, lag)
     original = generation_module.InferenceSession
     generation_module.InferenceSession = lambda client, max_length: session
     try:
         with ThreadPoolExecutor(1) as pool:
-            gen = Generation(None, Head(), tokenizer, pool, PROMPT, Sampling(max_tokens=max_tokens, temperature=0.0),
-                             [])
+            gen = Generation(None, Head(), tokenizer, pool, PROMPT,
+                             Sampling(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}), [])
 
             async def collect():
                 out = []
@@ -123,3 +124,18 @@ def test_text_goes_out_only_as_far_as_it_is_verified():
     _, pieces, _ = run(10**6, 10**6, lag=3)
     # the first piece waits for the lag; the last carries what was held back until the final check
     assert len(pieces) < 12 and pieces[-1] and len("".join(pieces)) == 12
+
+
+@pytest.mark.parametrize("lie_at, found_after, lag", [
+    (len(PROMPT) + 9, len(PROMPT) + 14, 4),
+    (2, len(PROMPT) + 2, 3),
+])
+def test_a_rewind_inside_a_drafted_step_restores_the_sampler_of_that_token(lie_at, found_after, lag):
+    """Sampled (a seeded generator, a repetition penalty) with drafts: a rewind to the middle of a step that kept
+    several drafted tokens goes on with the sampler as it was after the token rewound to, so the text is that of
+    the same request on an honest route without drafts."""
+    sampling = dict(temperature=0.15, seed=5, repetition_penalty=1.02)  # the model's token 3 times in 4
+    want, _, _ = run(10**6, 10**6, 0, max_tokens=40, speculate=0, **sampling)
+    text, _, session = run(lie_at, found_after, lag, max_tokens=40, speculate=8, **sampling)
+    assert text == want and len(want) == 40
+    assert session.rewinds == 1

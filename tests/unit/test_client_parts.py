@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from client.cli import generation_kwargs
+from client.cli import generation_kwargs, sampling_options
 from client.config import ClientConfig
 from swarm.cli import build_parser, main
 from swarm.errors import ConfigError
@@ -77,3 +77,16 @@ def test_generation_is_greedy_without_a_temperature():
 def test_bad_generation_options_are_config_errors(bad):
     with pytest.raises(ConfigError):
         generation_kwargs(args(**bad), Tokenizer())
+
+
+def test_generate_options_become_sampling_settings():
+    assert sampling_options(args(speculative_tokens=8)) == dict(temperature=0.0, seed=None, speculate=8)
+    sampled = sampling_options(args(temperature=0.7, top_p=0.9, top_k=20, seed=1, speculative_tokens=0))
+    assert sampled == dict(temperature=0.7, top_p=0.9, top_k=20, seed=1, speculate=0)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(max_new_tokens=0),
+                                 dict(speculative_tokens=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+def test_bad_generate_options_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        sampling_options(args(**{"speculative_tokens": 8, **bad}))

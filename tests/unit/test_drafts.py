@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     lookup = PromptLookup(max_tokens=8)
-    assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3], limit=8) == [4, 5, 9, 2]  # "2 3" seen before: what came next
+    assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3], limit=8) == [4, 5, 9, 2, 3]  # "2 3" seen before: what followed
     assert lookup.propose([1, 2, 3, 7, 2, 3, 8, 2, 3], limit=8) == [8, 2, 3]  # the most recent match wins
     assert lookup.propose([1, 2, 3, 4], limit=8) == []  # nothing repeats
     assert lookup.propose([1, 2, 3, 1, 2], limit=1) == [3]  # never more than the limit
@@ -30,12 +30,13 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 
 
 def test_the_draft_length_adapts_and_drafting_pauses_after_misses():
-    lookup = PromptLookup(max_tokens=8)
-    assert lookup.k == 4
-    lookup.accepted(4, 4)
-    assert lookup.k == 6
-    lookup.accepted(6, 2)
-    assert lookup.k == 5
+    lookup = PromptLookup(max_tokens=16)
+    assert lookup.k == 8
+    lookup.accepted(8, 8)
+    assert lookup.k == 10
+    lookup.accepted(10, 2)
+    assert lookup.k == 9
+    assert PromptLookup(max_tokens=3).k == 3
     for _ in range(MISSES_BEFORE_PAUSE):
         lookup.accepted(5, 0)
     assert all(lookup.propose([1, 2, 3, 1, 2], limit=8) == [] for _ in range(PAUSE_STEPS))
@@ -66,14 +67,15 @@ class CountingSession:
         pass
 
 
-def run(speculate: int, max_tokens: int = 40) -> tuple[str, int]:
+def run(speculate: int, max_tokens: int = 40, **sampling) -> tuple[str, int]:
     session = CountingSession()
     original = generation_module.InferenceSession
     generation_module.InferenceSession = lambda client, max_length: session
     try:
         with ThreadPoolExecutor(1) as pool:
             gen = Generation(None, Head(), byte_tokenizer(eos_token="<eos>"), pool, PROMPT,
-                             Sampling(max_tokens=max_tokens, temperature=0.0, speculate=speculate, logprobs=1), [])
+                             Sampling(max_tokens=max_tokens, speculate=speculate, logprobs=1,
+                                      **{"temperature": 0.0, **sampling}), [])
 
             async def collect():
                 return [d for deltas in [x async for x in gen.run()] for d in deltas]
@@ -91,3 +93,16 @@ def test_drafting_gives_the_same_tokens_in_fewer_steps():
     assert drafted == plain and len(plain) == 40
     assert plain_steps == 40  # the prompt, then one step per token after the first
     assert drafted_steps < plain_steps / 2  # the output cycles: prompt lookup drafts it
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.1, seed=3),  # the model's token 98.9% of the time: some drafts are rejected
+    dict(temperature=0.1, seed=4, top_p=0.9, repetition_penalty=1.02, frequency_penalty=0.01),
+])
+def test_sampled_drafting_gives_the_same_tokens_as_sampling_without_drafts(sampling):
+    """The sampler chooses at each drafted position as it would one step at a time (same generator state,
+    same penalties): a seeded request gives the same text with drafts, in fewer steps."""
+    plain, plain_steps = run(0, max_tokens=60, **sampling)
+    drafted, drafted_steps = run(8, max_tokens=60, **sampling)
+    assert drafted == plain and len(plain) >= 50
+    assert drafted_steps < plain_steps * 3 / 4, (drafted_steps, plain_steps)
