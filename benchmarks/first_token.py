@@ -99,7 +99,8 @@ def main() -> int:
              "process (two threads), greedy, runs interleaved, median of "
              f"{args.runs}; from calling `generate()` to the first new token at the streamer (route, sessions, "
              "prompt, LM head); the same tokens as transformers in every run "
-             f"(`python benchmarks/first_token.py --runs {args.runs}`).", "",
+             f"(`python benchmarks/first_token.py --runs {args.runs}`). A prompt under twice `prefill_chunk` (256 "
+             "tokens) runs in one step in both of the first two swarm columns: their difference there is noise.", "",
              "| prompt | tokens | " + " | ".join(f"{w} (ms)" for w in ways) + " | swarm vs transformers |",
              "|---|---|" + "---|" * len(ways) + "---|"]
     for name, ids in prompts.items():

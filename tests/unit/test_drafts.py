@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     lookup = PromptLookup(max_tokens=8)
-    assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3], limit=8) == [4, 5, 9, 2, 3]  # "2 3" seen before: what followed
+    assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3], limit=8) == [4, 5, 9, 2]  # "2 3" seen before: what followed
     assert lookup.propose([1, 2, 3, 7, 2, 3, 8, 2, 3], limit=8) == [8, 2, 3]  # the most recent match wins
     assert lookup.propose([1, 2, 3, 4], limit=8) == []  # nothing repeats
     assert lookup.propose([1, 2, 3, 1, 2], limit=1) == [3]  # never more than the limit
@@ -31,11 +31,11 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 
 def test_the_draft_length_adapts_and_drafting_pauses_after_misses():
     lookup = PromptLookup(max_tokens=16)
-    assert lookup.k == 8
-    lookup.accepted(8, 8)
-    assert lookup.k == 10
-    lookup.accepted(10, 2)
-    assert lookup.k == 9
+    assert lookup.k == 4
+    lookup.accepted(4, 4)
+    assert lookup.k == 6
+    lookup.accepted(6, 2)
+    assert lookup.k == 5
     assert PromptLookup(max_tokens=3).k == 3
     for _ in range(MISSES_BEFORE_PAUSE):
         lookup.accepted(5, 0)
