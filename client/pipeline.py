@@ -72,10 +72,11 @@ class PipelinedSteps:
                         chunk = await queues[i].get()
                         link.used_before, link.used_at = link.used_at, time.monotonic()
                         sent_at.append(time.monotonic())
-                        step_ids[c].set_result(await link.session.send(
-                            chunk, position + start, None if mask is None else mask[:, :position + end],
-                            encoding=encoding))
+                        step = await link.session.send(chunk, position + start,
+                                                       None if mask is None else mask[:, :position + end],
+                                                       encoding=encoding)
                         inputs[i].append(chunk)
+                        step_ids[c].set_result(step)
                 except (SwarmError, OSError) as e:
                     for future in step_ids:
                         if not future.done():
