@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.monitor import Monitor, announce
+from swarm import wire
 from swarm.identity import load_or_create
+from swarm.record_service import records_handler
 from swarm.transport import Node
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ async def run(config: BootstrapConfig, stop: asyncio.Event, on_ready: Callable[[
     identity = load_or_create(config.identity)
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host) as node, contextlib.AsyncExitStack() as stack:
+        await node.serve(wire.RECORDS_PROTOCOL, records_handler(node))
         maddrs = await node.maddrs()
         for addr in maddrs:
             print(addr, flush=True)

@@ -40,6 +40,7 @@ from swarm.blocks import SpanBlocks
 from swarm.checkpoint import Checkpoint, parse_dtype
 from swarm.identity import Identity, load_or_create
 from swarm.precision import Precision
+from swarm.record_service import records_handler
 from swarm.records import check_model_id, default_model_id
 from swarm.span import Span
 from swarm.transport import Node, describe_peer
@@ -231,6 +232,7 @@ class Peer:
                                       (wire.FORWARD_PROTOCOL, servicer.serve_forward),
                                       (wire.INFO_PROTOCOL, servicer.serve_info)):
                 await self.node.serve(protocol, servicer.guarded(handler))
+            await self.node.serve(wire.RECORDS_PROTOCOL, records_handler(self.node))
             await self.announce("online")
             maddrs = tuple(await self.node.maddrs())
             logger.info("peer %s serving blocks %s of %s (%s, %.1f tokens/s decode) at %s", self.name, span,

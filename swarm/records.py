@@ -73,6 +73,23 @@ def block_key(model: str, block: int) -> str:
     return f"{model}.block{block}"
 
 
+def key_id(key: str) -> bytes:
+    """The id under which the DHT stores `key`, which records are signed over: the SHA-1 of the key encoded
+    as a MessagePack string (what the DHT hashes). Computed here, without a DHT node, so that any reader
+    checks signatures the same way (a light client reads records from peers, not from the DHT)."""
+    raw = key.encode()
+    n = len(raw)
+    if n < 32:
+        head = bytes([0xA0 | n])
+    elif n < 2**8:
+        head = b"\xd9" + n.to_bytes(1, "big")
+    elif n < 2**16:
+        head = b"\xda" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdb" + n.to_bytes(4, "big")
+    return hashlib.sha1(head + raw).digest()
+
+
 def directory_key(peer: str) -> str:
     """The directory bucket a peer announces itself in: a stable hash of its id."""
     return DIRECTORY_KEYS[int.from_bytes(hashlib.sha256(peer.encode()).digest()[:4], "big") % DIRECTORY_BUCKETS]

@@ -98,8 +98,8 @@ def _hm() -> types.SimpleNamespace:
 
 @functools.lru_cache(maxsize=65536)
 def key_id(key: str) -> bytes:
-    """The id under which the DHT stores `key` (what records are signed over)."""
-    return _hm().DHTID.generate(source=key).to_bytes()
+    """The id under which the DHT stores `key` (what records are signed over; `records.key_id`)."""
+    return records.key_id(key)
 
 
 def _make_validator(counters: dict[str, int]):

@@ -1,0 +1,113 @@
+"""The records protocol: any node of the swarm (a peer, a bootstrap) answers with the signed announcement
+records it reads for some DHT keys, so a reader that does not join the DHT (a light client) can find who
+serves what. Torch-free.
+
+Trust: a node answering this protocol is a source, not an authority. The reader checks every record itself
+(`records.verify`: the signature over key, subkey, expiration and payload, the schema, the expiration, the
+span), so a source can withhold records but never forge or re-stamp one; it asks several sources when it
+knows several and keeps, per key and signer, the record with the highest sequence number (`merge`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from swarm import messages, records, wire
+from swarm.calls import decode_reply, exchange
+from swarm.errors import BadRequest, Busy, ProtocolError, SwarmError
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLY_BYTES = messages.MAX_RECORD_ENTRIES * messages.MAX_RECORD_VALUE_BYTES
+MAX_READS = 8  # requests a node answers at once (each reads the DHT); more get `Busy`
+
+
+def records_handler(node, timeout: float = 10.0, max_reads: int = MAX_READS):
+    """The protocol's handler for `node.serve(wire.RECORDS_PROTOCOL, ...)`: one request, one reply per stream;
+    at most `max_reads` requests read the DHT at once, the others are answered `Busy` at once."""
+    reads = asyncio.Semaphore(max_reads)
+
+    async def serve(stream) -> None:
+        try:
+            msg = await asyncio.wait_for(wire.read_message(stream.reader, 0), timeout)
+            request = messages.GetRecords.from_message(msg)
+        except (EOFError, asyncio.TimeoutError):
+            return
+        except (ProtocolError, BadRequest) as e:
+            await wire.write_message(stream.writer, messages.Error.of(e).to_message())
+            return
+        if reads.locked():
+            await wire.write_message(stream.writer, messages.Error.of(Busy("too many records requests")).to_message())
+            return
+        async with reads:
+            found = await node.get_records(request.keys)
+        entries = [messages.RecordEntry(key, subkey, value, expiration)
+                   for key in request.keys for subkey, (value, expiration) in found.get(key, {}).items()]
+        reply = messages.Records(tuple(entries[:messages.MAX_RECORD_ENTRIES]),
+                                 len(entries) > messages.MAX_RECORD_ENTRIES)
+        await wire.write_message(stream.writer, reply.to_message())
+
+    return serve
+
+
+async def fetch(node, peer: str, keys: list[str] | tuple[str, ...], timeout: float = 10.0) -> messages.Records:
+    """The records `peer` reads for `keys` (at most `messages.MAX_RECORD_KEYS`), unchecked. `node`: anything
+    that opens streams (`open(peer, protocol)`)."""
+    stream = await node.open(peer, wire.RECORDS_PROTOCOL)
+    try:
+        reply = await exchange(stream, messages.GetRecords(tuple(keys)).to_message(), timeout,
+                               max_tensor_bytes=MAX_REPLY_BYTES)
+    finally:
+        await stream.aclose()
+    return decode_reply(messages.Records, reply, peer, "get_records")
+
+
+@dataclass
+class Found:
+    """Records checked and merged from one or more sources: per key, per signer, the newest record."""
+
+    announcements: dict[str, dict[str, records.Announcement]] = field(default_factory=dict)
+    refused: int = 0  # records that failed `records.verify` (forged, re-stamped, expired, misplaced)
+    truncated: bool = False  # some source left records out
+
+    def merge(self, reply: messages.Records, now: float | None = None) -> None:
+        """Check every record of `reply` and keep each that is newer (by sequence number) than the one kept
+        for its key and signer."""
+        now = time.time() if now is None else now
+        self.truncated |= reply.truncated
+        for entry in reply.entries:
+            try:
+                ann = records.verify(records.key_id(entry.key), entry.subkey, entry.value, entry.expiration, now,
+                                     records.key_id)
+            except records.RecordRejected as e:
+                self.refused += 1
+                logger.info("refused a record of %s under %s: %s", entry.subkey[-8:], entry.key, e)
+                continue
+            kept = self.announcements.setdefault(entry.key, {})
+            if entry.subkey not in kept or ann.seq > kept[entry.subkey].seq:
+                kept[entry.subkey] = ann
+
+
+async def read(node, sources: list[str], keys: list[str], timeout: float = 10.0, min_sources: int = 2) -> Found:
+    """The records under `keys`, checked, from up to `min_sources` of `sources` that answer (tried in order, all
+    of a batch at once), merged by sequence number. Keys go in batches of `messages.MAX_RECORD_KEYS`. A source
+    that fails is skipped; none answering is a `SwarmError`."""
+    found, answered = Found(), 0
+    batches = [keys[i:i + messages.MAX_RECORD_KEYS] for i in range(0, len(keys), messages.MAX_RECORD_KEYS)]
+    for source in sources:
+        try:
+            replies = await asyncio.gather(*(fetch(node, source, batch, timeout) for batch in batches))
+        except (SwarmError, OSError, asyncio.TimeoutError) as e:
+            logger.info("records source %s failed: %s", source[-8:], e)
+            continue
+        for reply in replies:
+            found.merge(reply)
+        answered += 1
+        if answered >= min_sources:
+            break
+    if not answered:
+        raise SwarmError(f"none of {len(sources)} records sources answered")
+    return found
