@@ -69,9 +69,17 @@ async def fetch(node, peer: str, keys: list[str] | tuple[str, ...], timeout: flo
 class Found:
     """Records checked and merged from one or more sources: per key, per signer, the newest record."""
 
-    announcements: dict[str, dict[str, records.Announcement]] = field(default_factory=dict)
+    kept: dict[str, dict[str, tuple[records.Announcement, bytes, float]]] = field(default_factory=dict)
     refused: int = 0  # records that failed `records.verify` (forged, re-stamped, expired, misplaced)
     truncated: bool = False  # some source left records out
+
+    @property
+    def announcements(self) -> dict[str, dict[str, records.Announcement]]:
+        return {key: {sub: ann for sub, (ann, _, _) in subs.items()} for key, subs in self.kept.items()}
+
+    def values(self) -> dict[str, dict[str, tuple[bytes, float]]]:
+        """{key: {subkey: (value, expiration)}}: what a DHT node's `get_records` gives."""
+        return {key: {sub: (value, exp) for sub, (_, value, exp) in subs.items()} for key, subs in self.kept.items()}
 
     def merge(self, reply: messages.Records, now: float | None = None) -> None:
         """Check every record of `reply` and keep each that is newer (by sequence number) than the one kept
@@ -86,9 +94,9 @@ class Found:
                 self.refused += 1
                 logger.info("refused a record of %s under %s: %s", entry.subkey[-8:], entry.key, e)
                 continue
-            kept = self.announcements.setdefault(entry.key, {})
-            if entry.subkey not in kept or ann.seq > kept[entry.subkey].seq:
-                kept[entry.subkey] = ann
+            kept = self.kept.setdefault(entry.key, {})
+            if entry.subkey not in kept or ann.seq > kept[entry.subkey][0].seq:
+                kept[entry.subkey] = (ann, entry.value, entry.expiration)
 
 
 async def read(node, sources: list[str], keys: list[str], timeout: float = 10.0, min_sources: int = 2) -> Found:
