@@ -411,8 +411,10 @@ class Error:
 
 MAX_RECORD_KEYS = 64  # keys per request (the directory's buckets, or a model's blocks in batches)
 MAX_KEY_CHARS = 128
-MAX_RECORD_ENTRIES = 512  # records per reply: a node with more for the keys asked says it left some out
+MAX_RECORD_ENTRIES = 256  # records per reply: a node with more for the keys asked says it left some out
 MAX_RECORD_VALUE_BYTES = 4096  # above any valid record (`records.MAX_VALUE_BYTES`)
+MAX_ADDR_PEERS, MAX_ADDRS, MAX_ADDR_CHARS = 64, 2, 96  # addresses in a reply: peers, per peer, characters
+# (so a full reply's header stays well under `wire.MAX_HEADER_BYTES`)
 
 
 @dataclass(frozen=True)
@@ -455,11 +457,12 @@ class Records:
     TYPE = RECORDS
     entries: tuple[RecordEntry, ...]
     truncated: bool = False
+    addrs: dict = field(default_factory=dict)  # {peer id: [multiaddr, ...]} of signers the node can reach (unsigned)
 
     def to_message(self) -> Message:
         data = b"".join(e.value for e in self.entries)
         fields = {"entries": [[e.key, e.subkey, e.expiration, len(e.value)] for e in self.entries],
-                  "truncated": self.truncated}
+                  "truncated": self.truncated, **({"addrs": self.addrs} if self.addrs else {})}
         return Message(RECORDS, fields, (Blob("int8", (len(data),), data),) if data else ())
 
     @classmethod
@@ -481,4 +484,10 @@ class Records:
             offset += row[3]
         if offset != len(data):
             raise BadRequest(f"record values add up to {offset} bytes, but {len(data)} came")
-        return cls(tuple(entries), truncated)
+        addrs = msg.fields.get("addrs", {})
+        if not (isinstance(addrs, dict) and len(addrs) <= MAX_ADDR_PEERS and all(
+                isinstance(p, str) and len(p) <= MAX_ID_CHARS and isinstance(a, list) and len(a) <= MAX_ADDRS
+                and all(isinstance(x, str) and x.startswith("/") and len(x) <= MAX_ADDR_CHARS for x in a)
+                for p, a in addrs.items())):
+            raise BadRequest(f"'addrs' must map at most {MAX_ADDR_PEERS} peer ids to at most {MAX_ADDRS} multiaddrs")
+        return cls(tuple(entries), truncated, addrs)

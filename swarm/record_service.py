@@ -46,11 +46,28 @@ def records_handler(node, timeout: float = 10.0, max_reads: int = MAX_READS):
             found = await node.get_records(request.keys)
         entries = [messages.RecordEntry(key, subkey, value, expiration)
                    for key in request.keys for subkey, (value, expiration) in found.get(key, {}).items()]
-        reply = messages.Records(tuple(entries[:messages.MAX_RECORD_ENTRIES]),
-                                 len(entries) > messages.MAX_RECORD_ENTRIES)
+        entries, truncated = entries[:messages.MAX_RECORD_ENTRIES], len(entries) > messages.MAX_RECORD_ENTRIES
+        reply = messages.Records(tuple(entries), truncated, await addresses(node, {e.subkey for e in entries}))
         await wire.write_message(stream.writer, reply.to_message())
 
     return serve
+
+
+async def addresses(node, peers: set[str]) -> dict[str, list[str]]:
+    """Where the node can reach `peers` (the signers of a reply), in a reply's limits; local-network-only
+    addresses are kept (a swarm on one machine or LAN uses them), circuit and unparsable ones are not."""
+    try:
+        known = await node.peer_addrs()
+    except (SwarmError, OSError, asyncio.TimeoutError):
+        return {}
+    out = {}
+    for peer in sorted(peers):
+        addrs = [a for a in known.get(peer, []) if len(a) <= messages.MAX_ADDR_CHARS and "/p2p-circuit" not in a]
+        if addrs:
+            out[peer] = addrs[:messages.MAX_ADDRS]
+        if len(out) == messages.MAX_ADDR_PEERS:
+            break
+    return out
 
 
 async def fetch(node, peer: str, keys: list[str] | tuple[str, ...], timeout: float = 10.0) -> messages.Records:
@@ -72,6 +89,8 @@ class Found:
     kept: dict[str, dict[str, tuple[records.Announcement, bytes, float]]] = field(default_factory=dict)
     refused: int = 0  # records that failed `records.verify` (forged, re-stamped, expired, misplaced)
     truncated: bool = False  # some source left records out
+    addrs: dict[str, list[str]] = field(default_factory=dict)  # where sources said the signers are (hints:
+    # a wrong address only fails to connect, since a connection authenticates the peer id)
 
     @property
     def announcements(self) -> dict[str, dict[str, records.Announcement]]:
@@ -86,6 +105,9 @@ class Found:
         for its key and signer."""
         now = time.time() if now is None else now
         self.truncated |= reply.truncated
+        for peer, addrs in reply.addrs.items():
+            known = self.addrs.setdefault(peer, [])
+            known += [a for a in addrs if a not in known][:max(0, 8 - len(known))]
         for entry in reply.entries:
             try:
                 ann = records.verify(records.key_id(entry.key), entry.subkey, entry.value, entry.expiration, now,

@@ -342,6 +342,13 @@ class Node:
     async def connected_peers(self) -> int:
         return len(await self._p2p.list_peers())
 
+    async def peer_addrs(self) -> dict[str, list[str]]:
+        """Addresses of the peers this node is connected to, and its own: {peer id: [multiaddr, ...]} (without
+        the /p2p part). What a records reply tells a reader that has no DHT to find them with."""
+        out = {str(info.peer_id): [str(a) for a in info.addrs] for info in await self._p2p.list_peers()}
+        out[self.peer_id] = [str(a) for a in await self._p2p.get_visible_maddrs()]
+        return out
+
     # ---- records ----
 
     async def put_records(self, items: Sequence[tuple[str, str, bytes, float]]) -> dict[tuple[str, str], bool]:

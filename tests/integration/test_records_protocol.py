@@ -28,6 +28,14 @@ def test_peers_and_the_bootstrap_serve_the_records_of_every_block(swarm, client,
             assert all(a.start <= block < a.end for a in found.announcements[key].values())
 
 
+def test_a_reply_says_where_the_signers_are(swarm, client, loop):
+    peers = {p.peer_id for n, p in swarm.procs.items() if n.startswith("peer")}
+    found = loop.run(record_service.read(client, sources(swarm)[:1], [records.block_key(MODEL_ID, b)
+                                                                       for b in range(BLOCKS)], min_sources=1))
+    assert peers <= set(found.addrs)  # the bootstrap is connected to every peer
+    assert all(a.startswith("/ip4/127.0.0.1/tcp/") for p in peers for a in found.addrs[p])
+
+
 def test_the_directory_through_the_protocol(swarm, client, loop):
     found = loop.run(record_service.read(client, sources(swarm)[:2], list(records.DIRECTORY_KEYS)))
     listed = {ann.peer for bucket in found.announcements.values() for ann in bucket.values()}

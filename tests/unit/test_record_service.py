@@ -45,12 +45,21 @@ def entry(ann: records.Announcement, block: int = 0, signer: Identity = HONEST,
 
 
 def test_records_round_trip_through_their_message():
-    reply = messages.Records((entry(announcement()), entry(announcement(seq=8), block=1)), truncated=True)
+    reply = messages.Records((entry(announcement()), entry(announcement(seq=8), block=1)), truncated=True,
+                             addrs={HONEST.peer_id: ["/ip4/127.0.0.1/tcp/4001"]})
     assert messages.Records.from_message(reply.to_message()) == reply
     empty = messages.Records(())
     assert messages.Records.from_message(empty.to_message()) == empty
     ask = messages.GetRecords((records.block_key(MODEL, 0), records.DIRECTORY_KEYS[5]))
     assert messages.GetRecords.from_message(ask.to_message()) == ask
+
+
+def test_addresses_in_a_reply_are_bounded():
+    msg = messages.Records((entry(announcement()),)).to_message()
+    for addrs in ({HONEST.peer_id: ["/ip4/1.2.3.4/tcp/1"] * (messages.MAX_ADDRS + 1)}, {HONEST.peer_id: ["not"]},
+                  {f"p{i}": [] for i in range(messages.MAX_ADDR_PEERS + 1)}, [1]):
+        with pytest.raises(BadRequest):
+            messages.Records.from_message(dataclasses.replace(msg, fields={**msg.fields, "addrs": addrs}))
 
 
 @pytest.mark.parametrize("fields", [{}, {"keys": []}, {"keys": ["a", "a"]}, {"keys": ["x" * 200]}, {"keys": [3]},
