@@ -16,6 +16,9 @@ from swarm.messages import ENCODINGS
 class ClientConfig:
     initial_peers: tuple[str, ...] = option((), help="multiaddrs of the bootstrap node or any peer of the swarm")
     model_id: str | None = option(None, help="the model's name in the swarm (default: the checkpoint directory name)")
+    transport: str = option("p2pd", help="how the client reaches the swarm: p2pd (a DHT node on hivemind's "
+                            "libp2p daemon) or libp2p (a light client on py-libp2p, pip install "
+                            "'swarm-inference[light]': no daemon, records read from peers)")
     device: str = option("auto", help="where the client's embeddings and LM head compute: auto (a CUDA GPU if "
                          "present, else Apple's MPS, else the CPU), cpu, cuda, cuda:N or mps")
     dtype: str = option("float32", help="dtype of the client's embeddings and LM head: float32 (exact, the "
@@ -62,6 +65,8 @@ class ClientConfig:
                     "deadline_factor", "ban_seconds", "slow_factor", "max_retries", "slow_steps",
                     "prefill_wire_tokens")
         check_positive(self, positive)
+        if self.transport not in ("p2pd", "libp2p"):
+            raise ConfigError(f"--transport must be p2pd or libp2p, not {self.transport!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.wire not in ("auto",) + ENCODINGS:

@@ -33,6 +33,12 @@ def require_peers(config: ClientConfig) -> None:
 async def joined(model_id: str, num_blocks: int, config: ClientConfig) -> AsyncIterator[SwarmClient]:
     """A `SwarmClient` for `model_id` over a fresh client-mode node (a new identity), for the block."""
     require_peers(config)
+    if config.transport == "libp2p":
+        from client.light import LightNode
+
+        async with LightNode(config.initial_peers) as node:
+            yield SwarmClient(node, model_id, num_blocks, config)
+        return
     async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True) as node:
         yield SwarmClient(node, model_id, num_blocks, config)
 
