@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,light]'
 	touch $(STAMP)
 
 demo: $(STAMP)
