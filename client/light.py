@@ -105,6 +105,7 @@ class LightNode:
             self.addrs.setdefault(peer, []).append(addr)
         self.sources: list[str] = list(dict.fromkeys(peer for _, peer in self.initial))  # initial peers first
         self.peer_id = ""
+        self.refused = 0  # records that failed their checks, over every read
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._token = self._nursery = self._host = self._stop = None
@@ -257,6 +258,7 @@ class LightNode:
             if peer not in self.sources and len(self.sources) < MAX_SOURCES_KNOWN:
                 self.sources.append(peer)
         if found.refused:
+            self.refused += found.refused
             logger.warning("refused %d records that failed their checks", found.refused)
         return found.values()
 
