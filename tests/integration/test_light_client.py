@@ -24,11 +24,12 @@ from swarm_harness import MODEL_ID, replicated_swarm
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RUNNER = Path(__file__).resolve().parent.parent / "light_runner.py"
-PROMPT = [504, 3575, 282, 4649, 314]
+PROMPT = [504, 3575, 282, 4649, 314]  # the demo model's tokens of "The capital of France is"
+TINY_PROMPT = [5, 17, 42, 99, 3, 64, 200, 11]
 
 
-def light(path, model_id: str, addrs: list[str], tokens: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(RUNNER), str(path), model_id, ",".join(map(str, PROMPT)), str(tokens),
+def light(path, model_id: str, addrs: list[str], tokens: int, *extra: str, prompt=PROMPT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(RUNNER), str(path), model_id, ",".join(map(str, prompt)), str(tokens),
                              *extra, *addrs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -79,9 +80,9 @@ def replicated(tmp_path_factory, tiny_llama):
 
 
 def test_a_sigkilled_replica_is_failed_over_exactly(replicated, tiny_llama, local):
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([TINY_PROMPT])
     want = local.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0).tolist()[0]
-    proc = light(tiny_llama, MODEL_ID, replicated.bootstrap_addrs, 16, "--pause-after", "5")
+    proc = light(tiny_llama, MODEL_ID, replicated.bootstrap_addrs, 16, "--pause-after", "5", prompt=TINY_PROMPT)
     line = proc.stdout.readline()
     assert line.startswith("paused "), proc.stderr.read()[-4000:] if proc.poll() is not None else line
     route = dict(hop.split("=") for hop in line.split()[1:])
@@ -123,9 +124,9 @@ def test_forged_and_restamped_records_from_a_lying_source_are_refused(swarm, loo
     try:
         loop.run(liar.serve(wire.RECORDS_PROTOCOL, lying(liar)))
         liar_addr = loop.run(liar.maddrs())[0]
-        ids = torch.tensor([PROMPT])
+        ids = torch.tensor([TINY_PROMPT])
         want = local.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()[0]
-        got = result(light(tiny_llama, MODEL_ID, [liar_addr, *swarm.bootstrap_addrs], 8))
+        got = result(light(tiny_llama, MODEL_ID, [liar_addr, *swarm.bootstrap_addrs], 8, prompt=TINY_PROMPT))
         assert got["tokens"] == want and got["refused"] > 0
     finally:
         loop.run(liar.__aexit__(None, None, None), timeout=30)
