@@ -122,22 +122,26 @@ class Found:
 
 
 async def read(node, sources: list[str], keys: list[str], timeout: float = 10.0, min_sources: int = 2) -> Found:
-    """The records under `keys`, checked, from up to `min_sources` of `sources` that answer (tried in order, all
-    of a batch at once), merged by sequence number. Keys go in batches of `messages.MAX_RECORD_KEYS`. A source
-    that fails is skipped; none answering is a `SwarmError`."""
-    found, answered = Found(), 0
+    """The records under `keys`, checked, from `min_sources` of `sources` that answer (in order; as many at
+    once as are still needed), merged by sequence number. Keys go in batches of `messages.MAX_RECORD_KEYS`. A
+    source that fails is skipped; none answering is a `SwarmError`."""
+    found, answered, pending = Found(), 0, list(sources)
     batches = [keys[i:i + messages.MAX_RECORD_KEYS] for i in range(0, len(keys), messages.MAX_RECORD_KEYS)]
-    for source in sources:
-        try:
-            replies = await asyncio.gather(*(fetch(node, source, batch, timeout) for batch in batches))
-        except (SwarmError, OSError, asyncio.TimeoutError) as e:
-            logger.info("records source %s failed: %s", source[-8:], e)
-            continue
-        for reply in replies:
-            found.merge(reply)
-        answered += 1
-        if answered >= min_sources:
-            break
+
+    async def ask(source: str) -> list[messages.Records]:
+        return list(await asyncio.gather(*(fetch(node, source, batch, timeout) for batch in batches)))
+
+    while pending and answered < min_sources:
+        group, pending = pending[:min_sources - answered], pending[min_sources - answered:]
+        for source, replies in zip(group, await asyncio.gather(*map(ask, group), return_exceptions=True)):
+            if isinstance(replies, (SwarmError, OSError, asyncio.TimeoutError)):
+                logger.info("records source %s failed: %s", source[-8:], replies)
+                continue
+            if isinstance(replies, BaseException):
+                raise replies
+            for reply in replies:
+                found.merge(reply)
+            answered += 1
     if not answered:
         raise SwarmError(f"none of {len(sources)} records sources answered")
     return found
