@@ -7,6 +7,7 @@ client-mode DHT node and the `SwarmClient`. One per model object; `close()` (or 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import weakref
@@ -22,6 +23,7 @@ from swarm.transport import Node
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+JOIN_TIMEOUT = 120.0  # seconds a client may take to join (start its node, reach an initial peer)
 
 
 def require_peers(config: ClientConfig) -> None:
@@ -44,20 +46,33 @@ async def joined(model_id: str, num_blocks: int, config: ClientConfig) -> AsyncI
 
 
 class SwarmConnection:
+    """Joins in the background from the moment it is made (the caller loads the head meanwhile); `client`
+    waits for the join to finish and raises what it raised."""
+
     def __init__(self, model_id: str, num_blocks: int, config: ClientConfig):
         require_peers(config)
         self.config = config
         self._loop = LoopThread("swarm-client")
         self._loop.__enter__()
         self._stack = contextlib.AsyncExitStack()
-        try:
-            self.client = self._loop.run(self._stack.enter_async_context(joined(model_id, num_blocks, config)),
-                                         timeout=120)
-        except BaseException:
-            self._loop.__exit__(None, None, None)
-            raise
-        self.node = self.client.node
-        self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self._stack)
+        self._client: SwarmClient | None = None
+        self._joining = asyncio.run_coroutine_threadsafe(
+            self._stack.enter_async_context(joined(model_id, num_blocks, config)), self._loop.loop)
+        self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self._stack, self._joining)
+
+    @property
+    def client(self) -> SwarmClient:
+        if self._client is None:
+            try:
+                self._client = self._joining.result(JOIN_TIMEOUT)
+            except BaseException:
+                self._joining.cancel()
+                raise
+        return self._client
+
+    @property
+    def node(self):
+        return self.client.node
 
     @property
     def longest_wait(self) -> float:
@@ -72,7 +87,8 @@ class SwarmConnection:
         self._finalizer()
 
     @staticmethod
-    def _shutdown(loop: LoopThread, stack: contextlib.AsyncExitStack) -> None:
+    def _shutdown(loop: LoopThread, stack: contextlib.AsyncExitStack, joining) -> None:
+        joining.cancel()
         try:
             loop.run(stack.aclose(), timeout=30)
         except Exception:  # closing anyway: the reaper stops the daemon if this process exits

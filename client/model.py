@@ -190,9 +190,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = dataclasses.replace(config or ClientConfig(), **{k: v for k, v in given.items() if v}, **options)
         model_id = config.model_id or default_model_id(model)
         where = Precision.of(config.device, config.dtype)
-        head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
-        connection = SwarmConnection(model_id, ckpt.num_blocks, config)
+        connection = SwarmConnection(model_id, ckpt.num_blocks, config)  # joins while the head loads
         try:
+            head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
+            connection.client  # noqa: B018 - waits for the join, raising its error
             self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)
             if (Path(model) / "generation_config.json").exists():
                 self.generation_config = GenerationConfig.from_pretrained(model)
