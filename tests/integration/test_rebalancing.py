@@ -65,7 +65,10 @@ def test_the_only_peer_of_a_span_is_killed_mid_generation(movable, tiny_llama):
     with transformers' own tokens."""
     local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     expected = local.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
-    model = DistributedModelForCausalLM.from_pretrained(tiny_llama, movable.bootstrap_addrs, model_id=MODEL_ID)
+    # without checked outputs: [0:3) has a replica to check against, and tokens held back for a check could
+    # reach the fault's streamer only after the last step, when the killed peer is no longer needed
+    model = DistributedModelForCausalLM.from_pretrained(tiny_llama, movable.bootstrap_addrs, model_id=MODEL_ID,
+                                                        verify_fraction=0)
     fault = Fault(movable, model, lambda proc: movable.stop(proc.name, signal.SIGKILL), FAULT_AFTER)
     try:
         out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, streamer=fault)
