@@ -31,32 +31,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from report import machine, write_section  # noqa: E402
+from report import demo_model, machine, write_section  # noqa: E402
 
 LONG_TOKENS = 1000
 
 
 def main() -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from client.cli import TimedStreamer
     from client.commands import DEFAULT_PROMPT
     from client.demo import start_swarm
     from client.model import DistributedModelForCausalLM
-    from swarm.cli import cache_home
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
     from swarm.launch import LocalSwarm
-    from swarm.records import default_model_id
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    path = prepare_demo_model(default_demo_dir(cache_home()))
-    model_id = default_model_id(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    path, model_id, tokenizer, local = demo_model()
     prompts = {
         "demo prompt": tokenizer.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}],
                                                      add_generation_prompt=True, return_tensors="pt",

@@ -15,6 +15,20 @@ def machine(dtype: str = "float32") -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {dtype}"
 
 
+def demo_model():
+    """The prepared demo checkpoint, its name in the swarm, its tokenizer, and transformers' own model of it
+    in float32 (the local side of a benchmark): (path, model_id, tokenizer, model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swarm.cli import cache_home
+    from swarm.demo_model import default_demo_dir, prepare_demo_model
+    from swarm.records import default_model_id
+
+    path = prepare_demo_model(default_demo_dir(cache_home()))
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, default_model_id(path), AutoTokenizer.from_pretrained(path), local
+
+
 def write_section(name: str, lines: list[str], doc: Path | None = None) -> str:
     """Replace (or append) the section between `<!-- name:begin -->` and `<!-- name:end -->` of `doc`
     (default: docs/benchmarks.md)."""

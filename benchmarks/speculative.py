@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from delay_proxy import ProxyProcess  # noqa: E402
-from report import machine, write_section  # noqa: E402
+from report import demo_model, machine, write_section  # noqa: E402
 
 TASKS = {
     "copying": "Rewrite this paragraph word for word: The old lighthouse stood at the edge of the cliff for more "
@@ -88,11 +88,6 @@ def swarm(path: Path, model_id: str, rtt_ms: float):
 def main() -> int:
     import openai
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from swarm.cli import cache_home
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
-    from swarm.records import default_model_id
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -100,10 +95,7 @@ def main() -> int:
     parser.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0, 50.0])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    path = prepare_demo_model(default_demo_dir(cache_home()))
-    model_id = default_model_id(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    path, model_id, tokenizer, local = demo_model()
     rates: dict[tuple, list[float]] = {}  # (rtt, task, mode, how) -> tokens/s
     kept: dict[tuple, list[float]] = {}  # (rtt, task, mode) -> [accepted, drafted]
     for rtt in args.rtt_ms:
