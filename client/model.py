@@ -30,7 +30,7 @@ from client.config import ClientConfig
 from client.connection import SwarmConnection
 from client.routing import Hop
 from client.session import Failover, InferenceSession
-from swarm.checkpoint import Checkpoint
+from swarm.checkpoint import Checkpoint, num_blocks_of, read_config
 from swarm.errors import BadRequest
 from swarm.head import ModelHead
 from swarm.precision import Precision
@@ -185,13 +185,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """`model`: a local checkpoint directory (config and head tensors are read from it; its blocks are
         not). `model_id`: the model's name in the swarm (default: the directory name, as peers use).
         `config` and `options`: settings of `ClientConfig` (deadlines, retries, ...)."""
-        ckpt = Checkpoint(model)
+        model_config = read_config(model)  # the cheap checks; the family's forward runs in `Checkpoint`
         given = {"initial_peers": tuple(initial_peers), "model_id": model_id, "dtype": dtype}
         config = dataclasses.replace(config or ClientConfig(), **{k: v for k, v in given.items() if v}, **options)
         model_id = config.model_id or default_model_id(model)
         where = Precision.of(config.device, config.dtype)
-        connection = SwarmConnection(model_id, ckpt.num_blocks, config)  # joins while the head loads
+        connection = SwarmConnection(model_id, num_blocks_of(model_config), config)  # joins while the head loads
         try:
+            ckpt = Checkpoint(model, model_config)
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
             connection.client  # noqa: B018 - waits for the join, raising its error
             self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)

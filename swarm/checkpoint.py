@@ -72,26 +72,40 @@ class ModelLayout:
         return f"{self.layers_path}.{block}."
 
 
+def read_config(path: str | Path) -> PretrainedConfig:
+    """The config of checkpoint directory `path`, refused here if this project cannot serve its family (the
+    cheap checks; `Checkpoint` runs the family's forward too)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json: not a transformers checkpoint directory")
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    return config
+
+
+def num_blocks_of(config: PretrainedConfig) -> int:
+    return int(config.get_text_config(decoder=True).num_hidden_layers)
+
+
 class Checkpoint:
     """A checkpoint directory in the transformers format (config.json plus safetensors)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, config: PretrainedConfig | None = None):
+        """`config`: the directory's config, if `read_config` already read it."""
         self.path = Path(path)
-        if not (self.path / "config.json").is_file():
-            raise CheckpointError(f"{self.path} has no config.json: not a transformers checkpoint directory")
-        self.config: PretrainedConfig = AutoConfig.from_pretrained(self.path)
+        self.config: PretrainedConfig = config if config is not None else read_config(self.path)
         self.model_type: str = self.config.model_type
         # Composite checkpoints (a language model with vision or audio towers) are served as their
         # language model: blocks, widths and layer kinds are the text model's.
         self.text_config: PretrainedConfig = self.config.get_text_config(decoder=True)
-        check_supported(self.config)
         self._keys: dict[str, str] | None = None
+        self._key_rules: tuple | None = None  # read off the layout's skeleton before its probe (one build less)
         self.layout = self._read_layout()  # refuses what cannot be split, before any tensor is looked at
         self._files = self._index_tensors()
 
     @property
     def num_blocks(self) -> int:
-        return int(self.text_config.num_hidden_layers)
+        return num_blocks_of(self.config)
 
     @property
     def hidden_size(self) -> int:
@@ -157,6 +171,7 @@ class Checkpoint:
         if not isinstance(embeddings, torch.nn.Embedding):
             raise UnsupportedModel(f"model type {self.model_type!r}: its input embeddings are "
                                    f"{type(embeddings).__name__}, not a token embedding table")
+        self._key_rules = self._rules_of(skel)
         try:
             from swarm.span import Span
 
@@ -183,14 +198,17 @@ class Checkpoint:
         """The model's name for checkpoint tensor `name`, by transformers' own key mapping (legacy
         names, fused experts, a composite model's prefixes)."""
         if self._keys is None:
-            skel = self.skeleton()
-            mapping = get_model_conversion_mapping(skel)
-            renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-            converters = [m for m in mapping if isinstance(m, WeightConverter)]
-            meta = skel.state_dict()
-            self._keys = {k: rename_source_key(k, renamings, converters, skel.base_model_prefix, meta)[0]
-                          for k in self._files}
+            renamings, converters, prefix, meta = self._key_rules or self._rules_of(self.skeleton())
+            self._keys = {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in self._files}
         return self._keys[name]
+
+    @staticmethod
+    def _rules_of(skel: torch.nn.Module) -> tuple:
+        """What `model_key` needs of a skeleton not yet probed: transformers' renamings and converters for
+        its classes, its base prefix, its (meta) state."""
+        mapping = get_model_conversion_mapping(skel)
+        return ([m for m in mapping if isinstance(m, WeightRenaming)], [m for m in mapping if isinstance(m, WeightConverter)],
+                skel.base_model_prefix, skel.state_dict())
 
     def names_for(self, blocks=(), modules: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Checkpoint tensors of the given blocks and of the given (non-layer) modules' own tensors."""
