@@ -134,15 +134,13 @@ class LightNode:
         import trio
 
         async def main():
-            from libp2p import new_host
-            from libp2p.network.config import ConnectionConfig
+            from client.libp2p_host import ClientHost
 
-            # one connection per peer: libp2p otherwise waits 250 ms at every dial for a second one
-            host = new_host(connection_config=ConnectionConfig(max_connections_per_peer=1))
-            async with host.run(listen_addrs=[]), trio.open_nursery() as nursery:
+            host = ClientHost()
+            async with host.run(), trio.open_nursery() as nursery:
                 self._host, self._nursery = host, nursery
                 self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
-                self.peer_id = str(host.get_id())
+                self.peer_id = str(host.id)
                 self._loop.call_soon_threadsafe(_resolve, ready, None)
                 await self._stop.wait()
                 nursery.cancel_scope.cancel()
@@ -264,18 +262,14 @@ class LightNode:
 
 
 async def _dial(host, maddr: str) -> None:
-    import multiaddr
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-
-    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(maddr)))
+    await host.connect(maddr)
 
 
 async def _new_stream(node: LightNode, peer: str, protocol: str, reader: asyncio.StreamReader):
     """In trio: a stream to `peer` on `protocol`, with a task feeding what it reads to `reader`."""
     import trio
-    from libp2p.peer.id import ID
 
-    stream = await node._host.new_stream(ID.from_base58(peer), [protocol])
+    stream = await node._host.new_stream(peer, protocol)
 
     async def pump():
         try:

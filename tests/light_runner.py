@@ -47,8 +47,12 @@ def main() -> int:
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, do_sample=False,
                              pad_token_id=0, streamer=Pause())
         refused = model.connection.node.refused
+    import gc
+
     print(json.dumps({"tokens": out[0].tolist(), "hivemind": "hivemind" in sys.modules, "joined_s": joined,
-                      "refused": refused}), flush=True)
+                      "refused": refused, "libp2p_package": hasattr(sys.modules.get("libp2p"), "new_host"),
+                      "basic_host": "libp2p.host.basic_host" in sys.modules, "frozen": gc.get_freeze_count()}),
+          flush=True)
     return 0
 
 
