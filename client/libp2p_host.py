@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 import sys
 import types
 from collections.abc import AsyncIterator
-
-logger = logging.getLogger(__name__)
 
 NEGOTIATE_TIMEOUT = 10  # seconds for multistream-select on a new stream (libp2p's default is 5 at the host)
 

@@ -249,9 +249,9 @@ class Probe:
 
 def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Module], embed_dim: int,
           hidden_size: int, span_cache=None) -> Probe:
-    """Run the family's forward on `skeleton` (emptied of its layers, its other weights random) the
-    three ways a swarm does: to the embeddings the first layer gets, from outside hidden states at a
-    peer, and from hidden states to logits. Returns the loop's output convention and which modules
+    """Run the family's forward on `skeleton` (emptied of its layers, its vocabulary tables constant, its
+    other weights random) the three ways a swarm does: to the embeddings the first layer gets, from outside
+    hidden states at a peer, and from hidden states to logits. Returns the loop's output convention and which modules
     the head's and a peer's calls use (so only their tensors are loaded)."""
     slots = [LayerSlot(i, shadow) for i, shadow in enumerate(shadows)]
     frame = Frame(skeleton, layers_path, slots)
