@@ -4,6 +4,7 @@ right after is served; an honest session on the same peer keeps its cache throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 
@@ -26,14 +27,49 @@ def target(swarm, client, loop):
     return info.peer, Span(info.start, info.end)
 
 
+KEEPALIVE_S = 1.0  # well inside the shared swarm's IDLE_TIMEOUT
+
+
 @pytest.fixture(scope="module")
 def honest_session(target, client, loop):
-    """A session stepped at position 0 again and again (rollback); its output must never change."""
+    """A session stepped at position 0 again and again (rollback); its output must never change. It is also
+    stepped every KEEPALIVE_S seconds in the background, so however long one malformed request takes (a
+    slow machine), the peer never reclaims it for being idle: what breaks it can only be the requests."""
     peer, span = target
     session = loop.run(peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=16))
     x = torch.randn(1, 3, 64)
     expected = loop.run(session.step(x, 0))
-    yield lambda: torch.testing.assert_close(loop.run(session.step(x, 0)), expected)
+    lock = asyncio.Lock()  # one step at a time on the session's stream
+    failures: list[BaseException] = []
+
+    async def check() -> None:
+        async with lock:
+            torch.testing.assert_close(await session.step(x, 0), expected)
+
+    async def keep_alive() -> None:
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            try:
+                await check()
+            except Exception as e:  # noqa: BLE001 -- reported by the next check in the test's thread
+                failures.append(e)
+                return
+
+    async def start() -> asyncio.Task:
+        return asyncio.create_task(keep_alive())
+
+    async def stop(task: asyncio.Task) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def checked() -> None:
+        assert not failures, f"the honest session broke in the background: {failures[0]!r}"
+        loop.run(check())
+
+    task = loop.run(start())
+    yield checked
+    loop.run(stop(task))
     loop.run(session.close())
 
 
