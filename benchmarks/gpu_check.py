@@ -4,7 +4,7 @@ swarm with GPU peers, in the quality and speed table of `precision.py`.
 Needs a machine with CUDA, torch built with CUDA and bitsandbytes (`pip install 'swarm-inference[gpu]'`).
 CI never runs it (it is CPU-only); on a machine without CUDA it says so and exits 2.
 
-    python benchmarks/gpu_check.py [--device cuda] [--no-write]
+    python benchmarks/gpu_check.py [--device cuda] [--head-device cpu] [--no-write]
 
 Runs `precision.py --sections quality --device cuda --formats float32 float16 bfloat16 int8 nf4` and
 writes the table into docs/benchmarks.md between the `precision-quality-gpu` markers.
@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
         print("gpu_check: bitsandbytes is not installed: int8 and nf4 are left out", file=sys.stderr)
     device = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
     rest = [a for a in argv if a == "--no-write"]
+    if "--head-device" in argv:  # the client's head elsewhere (the peers stay on `device`)
+        rest += ["--head-device", argv[argv.index("--head-device") + 1]]
     import precision
 
     sys.argv = ["precision.py", "--sections", "quality", "--device", device, "--formats", *formats,
