@@ -4,8 +4,10 @@ else (dials out, serves nothing).
 Why not `libp2p.new_host()`: importing the `libp2p` package loads every transport and service it ships
 (QUIC, WebSocket, AutoTLS with two HTTP clients, mDNS, UPnP, circuit relay, Kademlia), and its host class
 imports most of them again. That was 1.3 s of a light client's 2 s to join, measured on the reference
-machine; the parts below take 0.43 s. So, as `swarm.transport` does for hivemind, the package is loaded
-without its `__init__` (and `libp2p.transport`'s), and the host is built from the same classes
+machine; the parts below take about 0.35 s. So, as `swarm.transport` does for hivemind, the package is
+loaded without its `__init__` (nor `libp2p.transport`'s and `libp2p.security`'s), QUIC's stream module is a
+placeholder, and dnspython is told that DNS over QUIC and HTTPS are absent, so neither aioquic, httpx nor
+x509 is loaded (below, each with what it saves). The host is built from the same classes
 `new_host()` uses, with the same defaults where the client needs them: an Ed25519 identity, Noise, yamux,
 one connection per peer. These are internal constructors of libp2p 0.8.1, which the `light` extra pins;
 `tests/integration/test_light_client.py` runs them against real peers.
@@ -20,22 +22,63 @@ import contextlib
 import importlib.util
 import sys
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 NEGOTIATE_TIMEOUT = 10  # seconds for multistream-select on a new stream (libp2p's default is 5 at the host)
 
 
+# Packages loaded without their `__init__`: each one's init only imports submodules for its namespace (every
+# transport, every security protocol: QUIC, WebSocket, TLS with x509, SECIO, ...), and the host imports the
+# submodules it uses by their full names.
+_SHELLS = ("", ".transport", ".security")
+# Imported by `libp2p.custom_types` for one type alias; the real module loads aioquic and with it TLS, x509 and
+# pyOpenSSL (0.18 s on the reference machine). The client never makes a QUIC stream.
+_PLACEHOLDERS = {"libp2p.transport.quic.stream": ("QUICStream",)}
+# dnspython (multiaddr's resolver of /dns4 and /dnsaddr addresses) loads aioquic and httpx at import for DNS over
+# QUIC and over HTTPS, unless told they are absent; a dial resolves over plain DNS.
+_DNS_FEATURES_OFF = ("doq", "doh")
+
+
+class _Absent:
+    """A class of a module the light client does not load: a name to annotate with, never to make."""
+
+    def __new__(cls, *args, **kwargs):
+        raise ImportError(f"{cls.__module__}.{cls.__qualname__} is not loaded in the light client "
+                          "(see client/libp2p_host.py)")
+
+
+def _shell(name: str, path: str) -> None:
+    module = types.ModuleType(name)
+    module.__path__, module.__package__ = [path], name
+    sys.modules[name] = module
+
+
+def _placeholder(name: str, classes: Sequence[str]) -> None:
+    module = types.ModuleType(name, "placeholder of the light client: never loaded (see client/libp2p_host.py)")
+    for cls in classes:
+        setattr(module, cls, type(cls, (_Absent,), {"__module__": name}))
+    sys.modules[name] = module
+
+
 def _load() -> types.SimpleNamespace:
     """The parts of py-libp2p the host uses. If `libp2p` was already imported normally, it is used as is."""
-    if "libp2p" not in sys.modules:
+    skipped_init = "libp2p" not in sys.modules
+    if skipped_init:
         spec = importlib.util.find_spec("libp2p")
         if spec is None or not spec.submodule_search_locations:
             raise ImportError("no module named 'libp2p'")
         root = spec.submodule_search_locations[0]
-        for name, sub in (("libp2p", ""), ("libp2p.transport", "/transport")):
-            module = types.ModuleType(name)
-            module.__path__, module.__package__ = [root + sub], name
-            sys.modules[name] = module
+        for sub in _SHELLS:
+            if "libp2p" + sub not in sys.modules:
+                _shell("libp2p" + sub, root + sub.replace(".", "/"))
+        for name, classes in _PLACEHOLDERS.items():
+            if name not in sys.modules:
+                _placeholder(name, classes)
+        if "dns" not in sys.modules:  # before dnspython reads its features (a process that loaded it keeps them)
+            import dns._features
+
+            for feature in _DNS_FEATURES_OFF:
+                dns._features.force(feature, False)
     import multiaddr
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_noise_key_pair
@@ -52,6 +95,10 @@ def _load() -> types.SimpleNamespace:
     from libp2p.transport.tcp.tcp import TCP
     from libp2p.transport.upgrader import TransportUpgrader
 
+    if skipped_init:  # what the package's __init__ would have done: its loggers at WARNING unless LIBP2P_DEBUG
+        from libp2p.utils.logging import setup_logging
+
+        setup_logging()
     return types.SimpleNamespace(
         multiaddr=multiaddr, create_new_key_pair=create_new_key_pair, create_noise_key_pair=create_noise_key_pair,
         ConnectionConfig=ConnectionConfig, Swarm=Swarm, ID=ID, PeerStore=PeerStore, MultiselectClient=MultiselectClient,

@@ -48,10 +48,14 @@ def main() -> int:
                              pad_token_id=0, streamer=Pause())
         refused = model.connection.node.refused
     import gc
+    import logging
 
     print(json.dumps({"tokens": out[0].tolist(), "hivemind": "hivemind" in sys.modules, "joined_s": joined,
                       "refused": refused, "libp2p_package": hasattr(sys.modules.get("libp2p"), "new_host"),
-                      "basic_host": "libp2p.host.basic_host" in sys.modules, "frozen": gc.get_freeze_count()}),
+                      "basic_host": "libp2p.host.basic_host" in sys.modules, "frozen": gc.get_freeze_count(),
+                      "libp2p_log_level": logging.getLogger("libp2p").getEffectiveLevel(),
+                      "not_loaded": [m for m in ("aioquic", "httpx", "cryptography.x509", "libp2p.security.tls")
+                                     if m not in sys.modules]}),
           flush=True)
     return 0
 

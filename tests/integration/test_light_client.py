@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -74,6 +75,9 @@ def test_the_light_client_gives_the_hivemind_client_s_tokens(demo_swarm, demo_mo
     # the slim host: neither libp2p's package __init__ nor its full host ran (see client/libp2p_host.py), and
     # the process's objects were frozen before the join (client.connection.settle_heap)
     assert not got["libp2p_package"] and not got["basic_host"] and got["frozen"] > 0
+    assert got["libp2p_log_level"] >= logging.WARNING  # as libp2p's own __init__ sets it: no INFO per stream
+    # QUIC (aioquic), DNS over HTTPS (httpx) and TLS with x509 were never loaded: the client dials TCP with Noise
+    assert got["not_loaded"] == ["aioquic", "httpx", "cryptography.x509", "libp2p.security.tls"]
 
 
 @pytest.fixture(scope="module")
