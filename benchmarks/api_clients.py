@@ -2,7 +2,7 @@
 output, and an evaluation harness's wall time.
 
 Sections (`--sections`, default all):
-- `agents`: Qwen2.5-Coder-0.5B-Instruct (from PyPI wheels, `swarm/pypi_models.py`) on a bootstrap and 3 peers
+- `agents`: Qwen2.5-Coder-0.5B-Instruct (from PyPI wheels, `swarm/local/pypi_models.py`) on a bootstrap and 3 peers
   on 127.0.0.1, behind `swarm api`; LangChain's `ChatOpenAI`: a `bind_tools` round trip (the model asks
   for a tool, gets its result, answers), and `with_structured_output(PydanticModel)` by function calling and
   by JSON schema, 20 questions each: how many validate (the target: 20 of 20). Exits 1 if any check fails.
@@ -33,7 +33,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from report import machine, write_section  # noqa: E402
 
-from swarm.records import default_model_id  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 QUESTIONS = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Linus Torvalds", "Guido van Rossum", "Marie Curie",
@@ -62,8 +62,8 @@ def agents(args) -> tuple[list[str], bool]:
     from pydantic import BaseModel, Field
 
     from swarm.cli import cache_home
-    from swarm.launch import LocalSwarm
-    from swarm.pypi_models import MODELS, default_dir, prepare
+    from swarm.local.launch import LocalSwarm
+    from swarm.local.pypi_models import MODELS, default_dir, prepare
 
     class Person(BaseModel):
         """Facts about a person."""
@@ -128,7 +128,7 @@ def agents(args) -> tuple[list[str], bool]:
 def cost(args) -> tuple[list[str], bool]:
     import openai
 
-    from swarm.launch import LocalSwarm
+    from swarm.local.launch import LocalSwarm
 
     path = demo_path()
     model_id = default_model_id(path)
@@ -169,7 +169,7 @@ def evaluate(args) -> tuple[list[str], bool]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from swarm.launch import LocalSwarm
+    from swarm.local.launch import LocalSwarm
 
     path = demo_path()
     model_id = default_model_id(path)
@@ -206,7 +206,7 @@ def evaluate(args) -> tuple[list[str], bool]:
 
 def demo_path() -> Path:
     from swarm.cli import cache_home
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
+    from swarm.local.demo_model import default_demo_dir, prepare_demo_model
 
     return prepare_demo_model(default_demo_dir(cache_home()))
 

@@ -33,9 +33,9 @@ import openai  # noqa: E402
 from client.demo import start_swarm  # noqa: E402
 from report import machine, write_section  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
-from swarm.records import default_model_id  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
 

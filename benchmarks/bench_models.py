@@ -82,7 +82,7 @@ def load(name: str, workdir: Path) -> BenchModel:
     if name == "demo":
         from transformers import AutoTokenizer
 
-        from swarm.demo_model import default_demo_dir, prepare_demo_model
+        from swarm.local.demo_model import default_demo_dir, prepare_demo_model
 
         path = prepare_demo_model(default_demo_dir(cache_home()))
         tokenizer = AutoTokenizer.from_pretrained(path)

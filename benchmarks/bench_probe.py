@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm import calls, wire
+from swarm.net import calls, wire
 from swarm.errors import ConnectionLost
 
 
@@ -141,7 +141,7 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def daemon_of(proc) -> int | None:
-    """The transport daemon among a `swarm.launch.Proc`'s children."""
+    """The transport daemon among a `swarm.local.launch.Proc`'s children."""
     for pid in proc.children():
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd":

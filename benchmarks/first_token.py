@@ -43,7 +43,7 @@ def main() -> int:
     from client.commands import DEFAULT_PROMPT
     from client.demo import start_swarm
     from client.model import DistributedModelForCausalLM
-    from swarm.launch import LocalSwarm
+    from swarm.local.launch import LocalSwarm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)

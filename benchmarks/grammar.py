@@ -35,7 +35,7 @@ from client.generation import stop_token_ids  # noqa: E402
 from client.grammar import Constraint, compile_format, grammar_tokenizer  # noqa: E402
 from report import machine, write_section  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from test_grammar import FORMAT, SCHEMA  # noqa: E402
 
 OBJECT = {"type": "object"}

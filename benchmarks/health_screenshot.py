@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import browser  # noqa: E402
-from swarm.demo_model import prepare_demo_model  # noqa: E402
-from swarm.launch import LocalSwarm, wait_until  # noqa: E402
+from swarm.local.demo_model import prepare_demo_model  # noqa: E402
+from swarm.local.launch import LocalSwarm, wait_until  # noqa: E402
 
 MODELS = {"smollm2-135m-instruct": ("0:12", "10:22", "20:30"), "smollm2-135m-staging": ("0:15", "15:30")}
 KILLED = "smollm2-135m-staging-1"

@@ -18,7 +18,7 @@ Placements:
   whose least-served block had the fewest peers, then the fewest in total, then the lowest start (the
   rule is re-done here to pin the spans with `--blocks`);
 - `new`: no `--blocks`; the peers measure their speed under their quota, choose and rebalance by
-  themselves (`swarm/placement.py`); the run starts once no peer has claimed blocks for two
+  themselves (`peer/placement.py`); the run starts once no peer has claimed blocks for two
   re-evaluation periods.
 Every peer runs with the default options but `--rebalance-interval 15` (60 by default), so that each start
 order settles in a minute or two.
@@ -53,11 +53,11 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from api_load import round_of  # noqa: E402
 from report import machine, write_section  # noqa: E402
-from swarm.checkpoint import Checkpoint  # noqa: E402
+from swarm.model.checkpoint import Checkpoint  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
-from swarm.launch import LocalSwarm, cpu_quota_supported, wait_until  # noqa: E402
-from swarm.records import default_model_id  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.launch import LocalSwarm, cpu_quota_supported, wait_until  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -27,8 +27,8 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from report import machine  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

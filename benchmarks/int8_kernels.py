@@ -8,7 +8,7 @@ call, so a row's output moves with the other rows of the call).
 
 - float32, bfloat16: `torch.nn.Linear`;
 - dynamic int8: `torch.ao.quantization.quantize_dynamic` (fbgemm; deprecated by torch);
-- int8 weights, bfloat16 compute: `swarm.precision.Int8Linear` (torch's `_weight_int8pack_mm` kernel
+- int8 weights, bfloat16 compute: `swarm.model.precision.Int8Linear` (torch's `_weight_int8pack_mm` kernel
   below 48 rows, weights converted to bfloat16 above), what a CPU `--quant int8` peer runs;
 - int8 weights, float32 compute: the same kernel with float32 activations (the slow path torchao's
   int8 weight-only config takes on a float32 model).
@@ -35,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from report import machine, write_section  # noqa: E402
 
-from swarm.precision import Precision, quantize  # noqa: E402
+from swarm.model.precision import Precision, quantize  # noqa: E402
 
 HIDDEN, INTERMEDIATE, PAIRS = 2048, 5632, 8
 

@@ -88,9 +88,9 @@ def run_client(path: Path, transport: str, tokens: int, addrs: list[str]) -> dic
 def main() -> int:
     from client.demo import start_swarm
     from swarm.cli import cache_home
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
-    from swarm.launch import LocalSwarm
-    from swarm.records import default_model_id
+    from swarm.local.demo_model import default_demo_dir, prepare_demo_model
+    from swarm.local.launch import LocalSwarm
+    from swarm.net.records import default_model_id
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)

@@ -1,5 +1,5 @@
 """Every model type of transformers' causal-LM mapping through three chained spans: which are served
-exactly and why the rest are refused. Writes `docs/models.md` and `swarm/families.py`.
+exactly and why the rest are refused. Writes `docs/models.md` and `swarm/model/families.py`.
 
 For each type a tiny random checkpoint is built from a config with fixed seeds and realistic values
 (see `tests/coverage.py`), then compared with transformers in this process: prefill in two chunks,
@@ -28,7 +28,7 @@ from family_harness import TOLERANCE, Outcome, model_types, run_all  # noqa: E40
 from report import machine  # noqa: E402
 
 DOC = REPO / "docs" / "models.md"
-TABLE = REPO / "swarm" / "families.py"
+TABLE = REPO / "swarm" / "model" / "families.py"
 
 
 def write_doc(outcomes: list[Outcome], seconds: float) -> None:
@@ -113,7 +113,7 @@ EXACT = frozenset({{
 {body}
 }})
 
-# Measured not exact: refused by `swarm.checkpoint.check_supported` with this reason.
+# Measured not exact: refused by `swarm.model.checkpoint.check_supported` with this reason.
 INEXACT = {{
 {refused}
 }}

@@ -34,13 +34,13 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from client import peer_client  # noqa: E402
 from client.loop import LoopThread  # noqa: E402
 from report import machine, write_section  # noqa: E402
-from swarm.checkpoint import Checkpoint  # noqa: E402
+from swarm.model.checkpoint import Checkpoint  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
-from swarm.identity import Identity  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.net.identity import Identity  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
 from swarm.span import Span  # noqa: E402
-from swarm.transport import Node  # noqa: E402
+from swarm.net.transport import Node  # noqa: E402
 
 MODEL_ID = "bench-batching"
 WARMUP_STEPS = 3

@@ -1,6 +1,6 @@
 """Placement at internet scale: a discrete-event simulation of a churning swarm, our rule against Petals'.
 
-Role: a benchmark. It drives `swarm/placement.py`'s pure functions (`best_span`, `rebalance`, `stage_blocks`,
+Role: a benchmark. It drives `peer/placement.py`'s pure functions (`best_span`, `rebalance`, `stage_blocks`,
 `ideal`) through hours of simulated churn and measures what clients would see; it reimplements none
 of our rule. Petals' rule is written here from its published source (bigscience-workshop/petals,
 `src/petals/server/block_selection.py`, `server.py`, `throughput.py`), read for facts, not copied.
@@ -46,7 +46,7 @@ arrived up to 600 s late; the per-seed table gives the mean live population). St
 peers (arrival times, devices, speeds, rooms, lifetimes, drawn from the seed before either runs) and
 the same seed for the rest (jitter, delays), whose draws then diverge with the rules' events.
 Departures are graceful and seen by every peer at once (an offline announcement; a crash would stay
-visible until its record expires, up to `swarm.records.MAX_TTL` = 300 s, which this model charges to
+visible until its record expires, up to `swarm.net.records.MAX_TTL` = 300 s, which this model charges to
 neither rule).
 
 Loading: a peer that takes a span announces it at once as `joining` (counted by everyone's placement,
@@ -145,7 +145,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm.placement import MARGIN, Score, choose, ideal, rebalance, score, stage_blocks  # noqa: E402
+from peer.placement import MARGIN, Score, choose, ideal, rebalance, score, stage_blocks  # noqa: E402
 from swarm.span import Span  # noqa: E402
 
 WEIGHT_GB = 0.48  # NF4 weights of one 70B block (0.86 B params at ~4.5 bits with scales)
@@ -354,7 +354,7 @@ class Rule:
 
 
 class Ours(Rule):
-    """`swarm.placement` as `plan` and `decide` compose it, on the simulator's incremental capacities:
+    """`peer.placement` as `plan` and `decide` compose it, on the simulator's incremental capacities:
     `choose(capacities, speed, memory, stage_blocks(...))` at join and
     `rebalance(capacities without itself, speed, span, memory, margin, stage_blocks(...))` on checks.
     `stage=False` leaves the stage share out (`prefer_blocks` None): the rule before it was added."""
@@ -777,7 +777,7 @@ EXPLANATION = """\
 A discrete-event simulation (`benchmarks/placement_sim.py`; its docstring lists every assumption) of a
 churning swarm of consumer GPUs, Apple laptops and CPU desktops serving a 70B-class model in NF4. Both
 rules see the same peers, arrivals and lifetimes; both are measured with our capacity model (a loaded
-peer adds speed / n to each of its n blocks). `ours` is `swarm/placement.py` as a peer runs it
+peer adds speed / n to each of its n blocks). `ours` is `peer/placement.py` as a peer runs it
 (`plan` at join, `decide` on a jittered period and on a new hole, stage share included); `petals` is
 Petals' published rule (fixed span length from memory, start at the weakest window, periodic
 `balance_quality` 0.75 check). Medians over the seeds; the per-seed table follows.

@@ -49,9 +49,9 @@ from report import machine, write_section  # noqa: E402
 from client.cli import TimedStreamer  # noqa: E402
 from client.demo import DEMO_CACHE_TOKENS, threads_per_peer  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
-from swarm.records import default_model_id  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 from swarm.span import Span  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "english.txt"
@@ -142,7 +142,7 @@ def decode_rate(model, tokenizer, tokens: int, runs: int) -> float:
 def peers_compute_ms(model, net: LocalSwarm) -> float:
     """A decode token's compute in all peers together: each peer's live per-block decode cost (`info`'s
     `block_ms`, a moving average of its real steps) times its blocks."""
-    from swarm.calls import info
+    from swarm.net.calls import info
 
     async def peers():
         return [await info(model.connection.client.node, net.procs[n].peer_id) for n in net.procs
@@ -152,8 +152,8 @@ def peers_compute_ms(model, net: LocalSwarm) -> float:
 
 
 def block_bytes(path: Path, dtype: str, quant: str, device: str) -> int:
-    from swarm.blocks import SpanBlocks
-    from swarm.precision import resolve_device
+    from swarm.model.blocks import SpanBlocks
+    from swarm.model.precision import resolve_device
 
     return SpanBlocks(path, Span(0, 1), dtype, resolve_device(device), quant=quant).weight_bytes()
 
@@ -223,8 +223,8 @@ def quality(path: Path, args) -> list[str]:
 
 def traffic(model, net: LocalSwarm) -> int:
     """Bytes every process of the swarm and this client wrote so far."""
-    from swarm import wire
-    from swarm.calls import info
+    from swarm.net import wire
+    from swarm.net.calls import info
 
     async def peers():
         return [await info(model.connection.client.node, net.procs[n].peer_id) for n in net.procs

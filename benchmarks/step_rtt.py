@@ -28,12 +28,12 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from client import peer_client  # noqa: E402
 from client.loop import LoopThread  # noqa: E402
-from swarm.blocks import SpanBlocks  # noqa: E402
-from swarm.identity import Identity  # noqa: E402
+from swarm.model.blocks import SpanBlocks  # noqa: E402
+from swarm.net.identity import Identity  # noqa: E402
 from swarm.span import Span  # noqa: E402
-from swarm.transport import Node  # noqa: E402
+from swarm.net.transport import Node  # noqa: E402
 from report import machine, write_section  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
 
 SHAPES = {  # hidden -> (heads, kv heads, intermediate): SmolLM2-135M's and Llama-2-7B's layer shapes
     576: (9, 3, 1536),

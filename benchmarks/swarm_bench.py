@@ -47,9 +47,9 @@ from bench_probe import (StepTimer, TokenTimes, connection_audit, daemon_of, dec
                          memory)
 from delay_proxy import ProxyProcess  # noqa: E402
 from report import machine, write_section  # noqa: E402
-from swarm.checkpoint import Checkpoint  # noqa: E402
-from swarm.launch import LocalSwarm, pid_alive  # noqa: E402
-from swarm.records import default_model_id  # noqa: E402
+from swarm.model.checkpoint import Checkpoint  # noqa: E402
+from swarm.local.launch import LocalSwarm, pid_alive  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 
 MODES = ("chained", "relayed")
 SECTION_MODELS = {"loopback": ("demo", "large"), "wan": ("demo",)}

@@ -44,10 +44,10 @@ from report import machine, write_section  # noqa: E402
 from client.cli import TimedStreamer  # noqa: E402
 from client.demo import DEMO_CACHE_TOKENS  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
-from swarm.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
+from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.errors import Rewound  # noqa: E402
-from swarm.launch import LocalSwarm  # noqa: E402
-from swarm.records import default_model_id  # noqa: E402
+from swarm.local.launch import LocalSwarm  # noqa: E402
+from swarm.net.records import default_model_id  # noqa: E402
 
 PROMPT = "Give three tips for staying healthy."
 
@@ -184,7 +184,7 @@ async def hog_sessions(node, net: LocalSwarm, path: Path, prompt: int, limit: in
     """As many sessions at every peer as it lets this client open (at most `limit` each), each filled with
     `prompt` tokens: [session, hidden size, length] each."""
     from client.peer_client import PeerSession
-    from swarm.calls import info
+    from swarm.net.calls import info
     from swarm.errors import SwarmError
     from swarm.span import Span
 
@@ -238,8 +238,8 @@ def fair(path: Path, args) -> list[str]:
 
     from client.demo import start_swarm
     from client.loop import LoopThread
-    from swarm.identity import Identity
-    from swarm.transport import Node
+    from swarm.net.identity import Identity
+    from swarm.net.transport import Node
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids

@@ -29,9 +29,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from swarm.records import Announcement
-from swarm.transport import describe_peer
-from swarm.messages import Info
+from swarm.net.records import Announcement
+from swarm.net.transport import describe_peer
+from swarm.net.messages import Info
 
 SCHEMA_VERSION = 1
 FORGET_AFTER = 3600.0  # seconds a model with no record left stays on the page (all red)

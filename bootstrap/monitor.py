@@ -2,7 +2,7 @@
 
 `Monitor(node, ...)` works on any `Node`: the bootstrap's own (`swarm bootstrap --monitor-port P`) or
 a client-mode node of its own (`swarm monitor`, `run` below). Every `interval` seconds it reads the
-directory record of every peer (`swarm.discovery.directory`), chooses the models to show
+directory record of every peer (`swarm.net.discovery.directory`), chooses the models to show
 (`health.keep_models`), pings each of their peers whose record says `online` with an info call, and
 replaces its snapshot (`bootstrap.health`) whole. It serves:
 
@@ -41,12 +41,13 @@ from prometheus_client import CollectorRegistry
 
 from bootstrap import health
 from bootstrap.config import MonitorConfig
-from swarm import calls, discovery, http, metrics
+from swarm.net import calls, discovery
+from swarm import http, metrics
 from swarm.errors import SwarmError, SwarmUnreachable
-from swarm.identity import Identity
-from swarm.records import Announcement
+from swarm.net.identity import Identity
+from swarm.net.records import Announcement
 from swarm.span import Span
-from swarm.transport import Node, describe_peer
+from swarm.net.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.monitor import Monitor, announce
-from swarm import wire
-from swarm.identity import load_or_create
-from swarm.record_service import records_handler
-from swarm.transport import Node
+from swarm.net import wire
+from swarm.net.identity import load_or_create
+from swarm.net.record_service import records_handler
+from swarm.net.transport import Node
 
 logger = logging.getLogger(__name__)
 

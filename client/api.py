@@ -422,10 +422,10 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     """Run the gateway for the checkpoint at `path` until `stop` is set."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from swarm.checkpoint import Checkpoint
-    from swarm.head import ModelHead
-    from swarm.precision import Precision
-    from swarm.records import default_model_id
+    from swarm.model.checkpoint import Checkpoint
+    from swarm.model.head import ModelHead
+    from swarm.model.precision import Precision
+    from swarm.net.records import default_model_id
 
     require_peers(client_config)  # before the head loads
     loop = asyncio.get_running_loop()

@@ -17,10 +17,10 @@ import time
 import torch
 
 from client.hops import IDLE_REOPEN_S, check_plausible
-from swarm import wire
+from swarm.net import wire
 from swarm.errors import BadRequest, ChainMismatch, StepTimeout, SwarmError
-from swarm.integrity import input_digest
-from swarm.transport import describe_peer
+from swarm.net.integrity import input_digest
+from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ChainedSteps:
         next link to the client, which sends it the step itself."""
         links = self.links[i:]
         tokens, shape = x.shape[1], tuple(x.shape)
-        # each later hop's step is tagged for the hop before it: only that peer can push it (`swarm.integrity`)
+        # each later hop's step is tagged for the hop before it: only that peer can push it (`swarm.net.integrity`)
         chain = [link.session.chain_hop(sender=before.hop.peer) for before, link in zip(links, links[1:])]
         mask_blob = None if mask is None else wire.blob_of(mask)
         now = time.monotonic()

@@ -16,7 +16,7 @@ from swarm.errors import BadRequest, ConfigError
 def model_path(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return args.model
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
+    from swarm.local.demo_model import default_demo_dir, prepare_demo_model
 
     return prepare_demo_model(default_demo_dir(args.cache_home))
 
@@ -221,8 +221,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from client.connection import SwarmConnection
-    from swarm.checkpoint import Checkpoint
-    from swarm.records import default_model_id
+    from swarm.model.checkpoint import Checkpoint
+    from swarm.net.records import default_model_id
 
     config = from_args(ClientConfig, args)
     if args.num_blocks is not None:

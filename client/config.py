@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from swarm.config import check_port, check_positive, option
 from swarm.errors import ConfigError
-from swarm.precision import DTYPES, PRECISIONS
-from swarm.messages import ENCODINGS
+from swarm.formats import DTYPES, PRECISIONS
+from swarm.net.messages import ENCODINGS
 
 
 @dataclass(frozen=True)

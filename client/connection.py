@@ -19,8 +19,8 @@ from client.config import ClientConfig
 from client.loop import LoopThread
 from client.swarm_client import SwarmClient
 from swarm.errors import ConfigError
-from swarm.identity import Identity
-from swarm.transport import Node
+from swarm.net.identity import Identity
+from swarm.net.transport import Node
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

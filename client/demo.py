@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from client.cli import describe_route, model_path, stream_answer
-from swarm.checkpoint import Checkpoint
+from swarm.model.checkpoint import Checkpoint
 from swarm.errors import ConfigError
-from swarm.launch import LocalSwarm
+from swarm.local.launch import LocalSwarm
 from swarm.span import split_evenly
 
 DEMO_CACHE_TOKENS = 4096
@@ -53,7 +53,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from client.model import DistributedModelForCausalLM
-    from swarm.records import default_model_id
+    from swarm.net.records import default_model_id
 
     path = model_path(args)
     if args.peers < 1:

@@ -9,7 +9,7 @@ the same encodings. By default the wire is never less precise than the peers' ow
 - quantized peers (int8/nf4 weights): bfloat16 (the range of float32; float16 could overflow) and 8-bit
   for long chunks.
 A replay onto a replacement peer always travels in float32: the history holds the values the first
-peers decoded (`swarm.hidden.round_trip`), of whatever encodings, and float32 carries each of them exactly.
+peers decoded (`swarm.net.hidden.round_trip`), of whatever encodings, and float32 carries each of them exactly.
 """
 
 from __future__ import annotations

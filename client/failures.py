@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError
 from swarm.span import Span
-from swarm.transport import describe_peer
+from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
 from client.session import Failover, InferenceSession
 from client.swarm_client import SwarmClient
 from swarm.errors import Rewound, SwarmError
-from swarm.head import ModelHead
+from swarm.model.head import ModelHead
 
 
 @dataclass(frozen=True)

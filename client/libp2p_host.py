@@ -4,7 +4,7 @@ else (dials out, serves nothing).
 Why not `libp2p.new_host()`: importing the `libp2p` package loads every transport and service it ships
 (QUIC, WebSocket, AutoTLS with two HTTP clients, mDNS, UPnP, circuit relay, Kademlia), and its host class
 imports most of them again. That was 1.3 s of a light client's 2 s to join, measured on the reference
-machine; the parts below take 0.35-0.43 s. So, as `swarm.transport` does for hivemind, the package is
+machine; the parts below take 0.35-0.43 s. So, as `swarm.net.transport` does for hivemind, the package is
 loaded without its `__init__` (nor `libp2p.transport`'s and `libp2p.security`'s), QUIC's stream module is a
 placeholder, and dnspython is told that DNS over QUIC and HTTPS are absent, so neither aioquic, httpx nor
 x509 is loaded (below, each with what it saves). The host is built from the same classes

@@ -1,11 +1,11 @@
 """A light client transport on py-libp2p: no Go daemon and no DHT in the client's process.
 
-`LightNode` has what the client uses of `swarm.transport.Node`: `open(peer, protocol)` gives a `Stream`
+`LightNode` has what the client uses of `swarm.net.transport.Node`: `open(peer, protocol)` gives a `Stream`
 (an asyncio reader and writer), `get_records(keys)` gives the records under some DHT keys, `peer_id`. So
 sessions, routing, failover, chaining and `generate()` run over it unchanged
 (`ClientConfig(transport="libp2p")`, `--transport libp2p`).
 
-- **Discovery without the DHT.** Records come from the records protocol (`swarm.record_service`): the
+- **Discovery without the DHT.** Records come from the records protocol (`swarm.net.record_service`): the
   initial peers (bootstrap nodes) and the peers learned from records answer with what they read; every
   record is checked here (`records.verify`), at least two sources are asked when two are known, and
   sources merge by sequence number. The replies also say where the signers are; a connection authenticates
@@ -31,9 +31,9 @@ import random
 import threading
 from collections.abc import Sequence
 
-from swarm import record_service
+from swarm.net import record_service
 from swarm.errors import ConfigError, ConnectionLost, SwarmError, SwarmUnreachable
-from swarm.transport import Stream
+from swarm.net.transport import Stream
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from swarm.blocks import SpanBlocks, SpanCache
-from swarm.checkpoint import Checkpoint
-from swarm.head import ModelHead
+from swarm.model.blocks import SpanBlocks
+from swarm.model.cache import SpanCache
+from swarm.model.checkpoint import Checkpoint
+from swarm.model.head import ModelHead
 from swarm.span import Span, split_evenly
 
 

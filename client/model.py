@@ -30,11 +30,11 @@ from client.config import ClientConfig
 from client.connection import SwarmConnection
 from client.routing import Hop
 from client.session import Failover, InferenceSession
-from swarm.checkpoint import Checkpoint, num_blocks_of, read_config
+from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
 from swarm.errors import BadRequest
-from swarm.head import ModelHead
-from swarm.precision import Precision
-from swarm.records import default_model_id
+from swarm.model.head import ModelHead
+from swarm.model.precision import Precision
+from swarm.net.records import default_model_id
 
 logger = logging.getLogger(__name__)
 

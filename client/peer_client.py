@@ -1,11 +1,11 @@
 """Talking to one peer: open a session and step it, a stateless forward, an info call.
 
-The lowest layer of the client SDK. Every reply is checked (`swarm.calls.exchange`): an ERROR
+The lowest layer of the client SDK. Every reply is checked (`swarm.net.calls.exchange`): an ERROR
 message becomes its typed error (so callers can tell "reroute" from "give up"), and an output whose
 step id or shape does not match the request is a `ProtocolError`, never silently used. A session
-step's output names what the peer computed on (`swarm.integrity.input_digest`): for a step the client
+step's output names what the peer computed on (`swarm.net.integrity.input_digest`): for a step the client
 sent, it must be what was sent (else `ProtocolError`); for a step another peer pushed, the caller says
-what it must be (the previous hop's output), else `ChainMismatch`. The info call is `swarm.calls.info`,
+what it must be (the previous hop's output), else `ChainMismatch`. The info call is `swarm.net.calls.info`,
 re-exported here.
 """
 
@@ -16,12 +16,12 @@ import itertools
 import time
 import torch
 
-from swarm import messages, wire
-from swarm.calls import MAX_REPLY_BYTES, decode_reply, exchange, info, raise_if_error
+from swarm.net import messages, wire
+from swarm.net.calls import MAX_REPLY_BYTES, decode_reply, exchange, info, raise_if_error
 from swarm.errors import BadRequest, ChainMismatch, ConnectionLost, ProtocolError, StepTimeout
-from swarm.integrity import input_digest, push_tag
+from swarm.net.integrity import input_digest, push_tag
 from swarm.span import Span
-from swarm.transport import Node, Stream
+from swarm.net.transport import Node, Stream
 
 __all__ = ["PeerSession", "forward", "info"]
 
@@ -49,7 +49,7 @@ class PeerSession:
     @classmethod
     async def open(cls, node: Node, peer: str, model: str, span: Span, *, max_length: int, batch: int = 1,
                    encodings: tuple[str, ...] = ("float32",), timeout: float = 30.0) -> PeerSession:
-        """Open a session whose steps may use any of `encodings` (`swarm.messages.ENCODINGS`)."""
+        """Open a session whose steps may use any of `encodings` (`swarm.net.messages.ENCODINGS`)."""
         stream = await node.open(peer, wire.SESSION_PROTOCOL)
         try:
             reply = await exchange(stream, messages.Open(model, span.start, span.end, max_length, batch,
@@ -80,7 +80,7 @@ class PeerSession:
                    step: int | None = None, chain: list[messages.ChainHop] | None = None,
                    encoding: str = "float32") -> int:
         """Send a step without waiting for its output; its step id. With `chain` (the hops after this one),
-        the peer pushes its output on to the next of them. The peer decodes `swarm.hidden.round_trip(hidden,
+        the peer pushes its output on to the next of them. The peer decodes `swarm.net.hidden.round_trip(hidden,
         encoding)`; its output comes back in the same encoding."""
         step = next(self._steps) if step is None else step
         msg = messages.Step(step, position, messages.Hidden.encode(hidden, encoding), _mask(attention_mask),

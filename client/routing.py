@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from swarm.errors import NoRoute
-from swarm.precision import PRECISIONS, format_name, precision_rank
-from swarm.records import LINK_ID_CHARS
+from swarm.formats import PRECISIONS, format_name, precision_rank
+from swarm.net.records import LINK_ID_CHARS
 from swarm.span import Span
 
 UNMEASURED_DELAY_MS = 50.0  # network delay assumed for a peer never measured
@@ -77,7 +77,7 @@ class Offer:
     queued: int | None = None  # steps waiting for its compute, likewise
     # round trips in ms it measured to peers it pushes to, by the last `LINK_ID_CHARS` of their ids
     links: Mapping[str, float] | None = field(default=None, hash=False)
-    dtype: str = "float32"  # how it computes: dtype and weight format (swarm.precision)
+    dtype: str = "float32"  # how it computes: dtype and weight format (swarm.model.precision)
     quant: str = "none"
 
     @property
@@ -285,7 +285,7 @@ def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, 
 
     `load`: sessions this client holds at each peer. `chain`: price later hops by the links peers
     announced. `rng`: break ties by a random order of peers drawn from it (default: by peer id).
-    `min_rank`: only peers whose weights are at least that precise (`swarm.precision.PRECISIONS`).
+    `min_rank`: only peers whose weights are at least that precise (`swarm.formats.PRECISIONS`).
     `prefer`: a weight format; a hop in another format costs `FORMAT_PENALTY_MS` more, so it is chosen
     only when no route in that format exists (failover keeps a span's format)."""
     offers, exclude, own = list(offers), set(exclude), load or NO_LOAD

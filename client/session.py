@@ -56,9 +56,9 @@ from client.pipeline import PipelinedSteps
 from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
 from client.swarm_client import SwarmClient
 from client.verify import Verifier
-from swarm import hidden as wire_hidden
+from swarm.net import hidden as wire_hidden
 from swarm.errors import BadRequest, ChainMismatch, NoRoute, Rewound, SwarmError
-from swarm.transport import describe_peer
+from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from client.encodings import Encodings, choose_encodings
 from client.failures import FailurePolicy, reason_of
 from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
-from swarm import discovery, placement
+from swarm.net import discovery, view
 from swarm.errors import NoRoute, SwarmError
-from swarm.precision import PRECISIONS, format_name
+from swarm.formats import PRECISIONS, format_name
 from swarm.span import Span
-from swarm.transport import Node, describe_peer
+from swarm.net.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class SwarmClient:
             allowed = set(self.config.allow_peers)
             self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links,
                                     *a.weights)
-                           for p, a in placement.online(anns).items()
+                           for p, a in view.online(anns).items()
                            if a.span.end <= self.num_blocks and (not allowed or p in allowed)}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
                                         a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights)

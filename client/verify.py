@@ -41,7 +41,7 @@ from client.peer_client import PeerSession
 from client.routing import Hop
 from swarm.errors import SwarmError
 from swarm.span import Span
-from swarm.transport import describe_peer
+from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 

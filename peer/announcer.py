@@ -14,10 +14,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from swarm import __version__, records
-from swarm.identity import Identity
+from swarm import __version__
+
+from swarm.net import records
+from swarm.net.identity import Identity
 from swarm.span import Span
-from swarm.transport import Node, key_id
+from swarm.net.transport import Node, key_id
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The peer's view of the swarm for placement, and the links it measures: the thin async shell around
-`swarm.placement`.
+`peer.placement`.
 
-- `SwarmView.read` returns what every other peer serves or claims (`placement.Server`s), block by
+- `SwarmView.read` returns what every other peer serves or claims (`view.Server`s), block by
   block from the DHT. A record outlives a peer killed outright by up to its TTL, so the peers that are
   the only server of some block are pinged (at most `MAX_PINGS`, `ping_timeout` each): one that does
   not answer counts as gone until it announces again (a newer sequence number). That is what lets a
@@ -18,9 +18,9 @@ import math
 import random
 import time
 
-from swarm import calls, discovery, placement, records
+from swarm.net import calls, discovery, records, view
 from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, SwarmError
-from swarm.transport import Node, describe_peer
+from swarm.net.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class SwarmView:
         self.node, self.model_id, self.num_blocks, self.ping_timeout = node, model_id, num_blocks, ping_timeout
         self.gone: dict[str, int] = {}  # peer -> the newest sequence number it had when it stopped answering
         self.silent: dict[str, int] = {}  # peer -> pings in a row it left unanswered within `ping_timeout`
-        self.last: list[placement.Server] = []  # what the last read found
+        self.last: list[view.Server] = []  # what the last read found
         self.newest: dict[str, int] = {}  # peer -> its newest sequence number in the last read
         self.quiet_reads = 0  # reads in a row that found the same peers on the same spans in the same states
         self.read_at = -math.inf  # when the last read was (monotonic)
@@ -59,7 +59,7 @@ class SwarmView:
         """Read the whole swarm at the next check (a hole showed)."""
         self.read_at, self.quiet_reads = -math.inf, 0
 
-    async def check(self) -> list[placement.Server]:
+    async def check(self) -> list[view.Server]:
         """The last read's servers, less the sole servers of some block that stopped answering since: a few
         info calls instead of a read of every block (a read costs a peer held to a tenth of a core a good
         part of its time). A peer killed or stopped leaves its blocks unserved here within a ping; one that
@@ -74,7 +74,7 @@ class SwarmView:
                     return await self.read()
         return [s for s in alive if s.peer not in self.gone]
 
-    async def read(self) -> list[placement.Server]:
+    async def read(self) -> list[view.Server]:
         """Every other peer's servers, less the peers that stopped answering."""
         anns = await discovery.announcements(self.node, self.model_id, self.num_blocks)
         newest: dict[str, int] = {}
@@ -84,7 +84,7 @@ class SwarmView:
         for peer, seq in list(self.gone.items()):
             if newest.get(peer, -1) > seq or peer not in newest:
                 del self.gone[peer]  # announced again (it is back), or its records are gone anyway
-        served = [s for s in placement.servers(anns, self.num_blocks, exclude={self.node.peer_id})
+        served = [s for s in view.servers(anns, self.num_blocks, exclude={self.node.peer_id})
                   if s.peer not in self.gone]
         suspects = sorted(self._sole_servers(served))[:MAX_PINGS]
         if suspects:
@@ -115,7 +115,7 @@ class SwarmView:
                 out[peer] = answer
         return out
 
-    def _sole_servers(self, served: list[placement.Server]) -> set[str]:
+    def _sole_servers(self, served: list[view.Server]) -> set[str]:
         by_block: dict[int, set[str]] = {}
         for s in served:
             if s.state == "online":

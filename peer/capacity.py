@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.blocks import SpanBlocks
+from swarm.model.blocks import SpanBlocks
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from peer.sessions import Session
-from swarm import messages, wire
-from swarm.blocks import SpanBlocks
+from swarm.net import messages, wire
+from swarm.model.blocks import SpanBlocks
 from swarm.errors import BadRequest, UnknownSession
-from swarm.precision import Precision
+from swarm.model.precision import Precision
 from swarm.span import Span
 
 PAD_SLACK = 64  # tokens of padding a batched forward may add to any session regardless of the ratio

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import check_port, check_positive, option
-from swarm.precision import DTYPES, QUANTS
+from swarm.formats import DTYPES, QUANTS
 from swarm.errors import ConfigError
 from swarm.span import Span
 

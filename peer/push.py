@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from swarm import wire
-from swarm.transport import Node, Stream, describe_peer
+from swarm.net import wire
+from swarm.net.transport import Node, Stream, describe_peer
 
 logger = logging.getLogger(__name__)
 

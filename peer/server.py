@@ -5,7 +5,7 @@ serve, move when the swarm needs it, leave cleanly.
     online   -> serving sessions, re-announced every `announce_interval` with its speed, load and cache left
     offline  -> announced on a clean stop, then the records expire
 
-Placement is `swarm.placement`'s (how many blocks and where, by measured speed and memory); this module
+Placement is `peer.placement`'s (how many blocks and where, by measured speed and memory); this module
 only carries it out. A move (docs/operations.md): claim the new span as `joining` (keeping the old one
 online), wait `CLAIM_SETTLE_S` and defer to an earlier claim, load the new span, announce it online and
 the rest of the old one offline, then drain the old span's sessions (they finish, or are closed at
@@ -35,15 +35,17 @@ from peer.push import Pusher
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
-from swarm import __version__, placement, selection, wire
-from swarm.blocks import SpanBlocks
-from swarm.checkpoint import Checkpoint, parse_dtype
-from swarm.identity import Identity, load_or_create
-from swarm.precision import Precision
-from swarm.record_service import records_handler
-from swarm.records import check_model_id, default_model_id
+from swarm import __version__
+from swarm.net import view, wire
+from peer import placement, selection
+from swarm.model.blocks import SpanBlocks
+from swarm.model.checkpoint import Checkpoint, parse_dtype
+from swarm.net.identity import Identity, load_or_create
+from swarm.model.precision import Precision
+from swarm.net.record_service import records_handler
+from swarm.net.records import check_model_id, default_model_id
 from swarm.span import Span
-from swarm.transport import Node, describe_peer
+from swarm.net.transport import Node, describe_peer
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig, precision: P
     return cost
 
 
-def first_span(config: PeerConfig, served: list[placement.Server], peer: str, speed: float, memory: int,
+def first_span(config: PeerConfig, served: list[view.Server], peer: str, speed: float, memory: int,
                num_blocks: int) -> placement.Score:
     """The span to start with: --blocks, else the placement's choice (--num-blocks fixes the length)."""
     if config.blocks is not None:
@@ -290,17 +292,17 @@ class Peer:
             except Exception:  # boundary: see above
                 logger.warning("peer %s: announcing or rebalancing failed", self.name, exc_info=True)
 
-    def _me(self) -> placement.Server:
-        return placement.Server(self.node.peer_id, self.span, self.capacity.throughput(len(self.span)))
+    def _me(self) -> view.Server:
+        return view.Server(self.node.peer_id, self.span, self.capacity.throughput(len(self.span)))
 
-    def _decide(self, served: list[placement.Server]) -> placement.Score | None:
+    def _decide(self, served: list[view.Server]) -> placement.Score | None:
         return placement.decide(served, self.node.peer_id, self.capacity.speed, self.memory, self.ckpt.num_blocks,
                                 self.span, min_blocks=self._min_blocks())
 
     def _min_blocks(self) -> int:
         return self.memory if self.config.num_blocks is not None else 1
 
-    async def rebalance(self, served: list[placement.Server]) -> None:
+    async def rebalance(self, served: list[view.Server]) -> None:
         """Move if the placement says so: claim the new span (joining), let claims meet, defer to an earlier
         one, then load the new span, announce it online and drain the old one."""
         if self.draining is not None:

@@ -22,13 +22,13 @@ from peer.metrics import PeerMetrics
 from peer.push import Pusher
 from peer.runtime import ClientSlots, Runtime
 from peer.sessions import Session, SessionTable
-from swarm import messages, wire
-from swarm.blocks import SpanBlocks
+from swarm.net import messages, wire
+from swarm.model.blocks import SpanBlocks
 from swarm.errors import BadRequest, Busy, NotServing, ProtocolError, SwarmError, UnknownSession
-from swarm.integrity import input_digest, tag_ok
-from swarm.precision import Precision
+from swarm.net.integrity import input_digest, tag_ok
+from swarm.model.precision import Precision
 from swarm.span import Span
-from swarm.transport import Stream, describe_peer
+from swarm.net.transport import Stream, describe_peer
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarm.errors import Busy, OutOfCache, UnknownSession
-from swarm.integrity import new_push_key
+from swarm.net.integrity import new_push_key
 from swarm.span import Span
-from swarm.transport import describe_peer
+from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class SessionTable:
                              f"cache ({self.cache_tokens} tokens); try another peer or a shorter max length")
         room = room_for(1, max_length)
         self.make_room(client, batch * room, 1, now)
-        # pushes into the session need a tag made with its push key (`swarm.integrity`); the id is unguessable too
+        # pushes into the session need a tag made with its push key (`swarm.net.integrity`); the id is unguessable too
         sid = f"s{next(self._counter)}-{secrets.token_hex(12)}"
         session = Session(sid, span, batch, max_length, tuple(encodings), room, now, client, used_at=now)
         self.sessions[sid] = session

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from peer import capacity, servicer
-from swarm import cli, messages
+from swarm import cli
+from swarm.net import messages
 
 MODES = ("tamper-push", "blackhole", "noisy")
 

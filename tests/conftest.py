@@ -34,7 +34,7 @@ def demo_model_dir() -> Path:
 
     Repo-local by default (`.cache/` is gitignored) so CI caches and later runs skip the conversion.
     """
-    from swarm.demo_model import prepare_demo_model
+    from swarm.local.demo_model import prepare_demo_model
 
     directory = Path(os.environ.get("SWARM_TEST_DEMO_DIR") or REPO / ".cache" / "demo-model")
     return prepare_demo_model(directory)

@@ -7,7 +7,7 @@ greedy steps, a rollback with a different continuation) against the whole model 
 transformers in this process. The outcome of a type is one of:
 
 - "exact": greedy tokens identical and every logit within `TOLERANCE` (float32);
-- "inexact": measured otherwise, and so refused (by `swarm/families.py`'s `INEXACT`, with the reason);
+- "inexact": measured otherwise, and so refused (by `swarm/model/families.py`'s `INEXACT`, with the reason);
   the comparison runs with that table set aside, so the measurement is made every time;
 - "refused": a typed `UnsupportedModel` before any weight loads, with its reason;
 - "unchecked": no tiny model of it could be built here (listed in `UNCHECKED`, with why);
@@ -223,11 +223,11 @@ def build(model_type: str, directory: Path, seed: int = 0) -> Path:
 def check(model_type: str, directory: Path) -> Outcome:
     """Build, then compare or record the refusal; never raises."""
     from client.local_chain import LocalChain
-    from swarm.checkpoint import Checkpoint
+    from swarm.model.checkpoint import Checkpoint
     from swarm.errors import UnsupportedModel
     from swarm.span import split_evenly
 
-    from swarm import families
+    from swarm.model import families
 
     started = time.monotonic()
     listed = families.INEXACT.get(model_type)

@@ -1,4 +1,4 @@
-"""Test settings of the shared integration swarm; the processes themselves are `swarm.launch`'s."""
+"""Test settings of the shared integration swarm; the processes themselves are `swarm.local.launch`'s."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from swarm.launch import LocalSwarm, Proc, pid_alive, wait_until
+from swarm.local.launch import LocalSwarm, Proc, pid_alive, wait_until
 
 __all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "start_split", "replicated_swarm", "Fault",
            "MODEL_ID",
@@ -18,8 +18,8 @@ __all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "star
 @contextlib.contextmanager
 def client_node(loop, initial_peers):
     """A client-mode DHT node with its own identity, joined through `initial_peers`, on `loop` (a LoopThread)."""
-    from swarm.identity import Identity
-    from swarm.transport import Node
+    from swarm.net.identity import Identity
+    from swarm.net.transport import Node
 
     node = Node(Identity.generate(), initial_peers=initial_peers, client_mode=True)
     loop.run(node.__aenter__(), timeout=60)

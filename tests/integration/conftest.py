@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from client.loop import LoopThread
-from swarm.checkpoint import Checkpoint
+from swarm.model.checkpoint import Checkpoint
 from swarm_harness import CACHE_TOKENS, PEER_OPTIONS, LocalSwarm, client_node
 
 
@@ -62,7 +62,7 @@ def client(swarm, loop):
 def demo_swarm(tmp_path_factory, demo_model_dir):
     """The real demo model (SmolLM2) on a bootstrap and three peers, shared by the modules that need it."""
     from client.demo import start_swarm
-    from swarm.records import default_model_id
+    from swarm.net.records import default_model_id
 
     net = LocalSwarm(tmp_path_factory.mktemp("demo-swarm"))
     try:

@@ -26,7 +26,7 @@ from client.loop import LoopThread
 from client.model import DistributedModelForCausalLM
 from client.peer_client import info
 from swarm_harness import client_node, wait_until
-from swarm.records import default_model_id
+from swarm.net.records import default_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from client.generation import stop_token_ids
-from swarm.records import default_model_id
+from swarm.net.records import default_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

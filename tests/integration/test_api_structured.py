@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from swarm.records import default_model_id
+from swarm.net.records import default_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

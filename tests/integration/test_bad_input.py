@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from client import peer_client
-from swarm import messages, wire
+from swarm.net import messages, wire
 from swarm.span import Span
 from swarm_harness import MODEL_ID
 

@@ -12,10 +12,10 @@ import torch
 
 from client import peer_client
 from client.model import DistributedModelForCausalLM
-from swarm import messages, wire
+from swarm.net import messages, wire
 from swarm.errors import BadRequest, NotServing
-from swarm.identity import Identity
-from swarm.integrity import push_tag
+from swarm.net.identity import Identity
+from swarm.net.integrity import push_tag
 from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node
 

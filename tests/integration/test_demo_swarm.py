@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.model import DistributedModelForCausalLM
-from swarm.launch import wait_until
+from swarm.local.launch import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

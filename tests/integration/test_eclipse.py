@@ -14,9 +14,11 @@ import time
 
 import pytest
 
-from swarm import __version__, records, transport
-from swarm.identity import Identity
-from swarm.transport import Node, key_id
+from swarm import __version__
+
+from swarm.net import records, transport
+from swarm.net.identity import Identity
+from swarm.net.transport import Node, key_id
 from swarm_harness import client_node
 
 pytestmark = pytest.mark.integration

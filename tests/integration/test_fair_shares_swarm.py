@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from client import peer_client
 from client.model import DistributedModelForCausalLM
-from swarm import discovery
-from swarm.blocks import SpanBlocks
+from swarm.net import discovery
+from swarm.model.blocks import SpanBlocks
 from swarm.errors import Busy, OutOfCache, SwarmError, UnknownSession
 from swarm.span import Span
 from swarm_harness import MODEL_ID, LocalSwarm, client_node, wait_until

@@ -25,9 +25,9 @@ import browser
 from bootstrap import health
 from bootstrap.monitor import Monitor
 from swarm.errors import SwarmUnreachable
-from swarm.identity import Identity
-from swarm.records import Announcement
-from swarm.messages import Info
+from swarm.net.identity import Identity
+from swarm.net.records import Announcement
+from swarm.net.messages import Info
 from swarm_harness import LocalSwarm, wait_until
 
 pytestmark = pytest.mark.integration

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from swarm import discovery
+from swarm.net import discovery
 from swarm.errors import ConfigError, SwarmUnreachable
-from swarm.identity import Identity
-from swarm.transport import Node
+from swarm.net.identity import Identity
+from swarm.net.transport import Node
 from swarm_harness import LocalSwarm, pid_alive, wait_until
 
 pytestmark = pytest.mark.integration

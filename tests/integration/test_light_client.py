@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import messages, records, wire
-from swarm.identity import Identity
-from swarm.records import default_model_id
+from swarm.net import messages, records, wire
+from swarm.net.identity import Identity
+from swarm.net.records import default_model_id
 from swarm_harness import MODEL_ID, replicated_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -105,7 +105,7 @@ def test_forged_and_restamped_records_from_a_lying_source_are_refused(swarm, loo
     """A node that serves the records protocol with, for every honest record it reads, a forged newer one (the
     peer's subkey, another key's signature) and a re-stamped one (a later expiration than was signed): the
     light client asks it and the bootstrap, refuses the lies, and generates the right tokens."""
-    from swarm.transport import Node
+    from swarm.net.transport import Node
 
     attacker = Identity.generate()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import lm_eval  # a test dependency (pyproject's `test` extra)
 import pytest
 
-from swarm.records import default_model_id
+from swarm.net.records import default_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

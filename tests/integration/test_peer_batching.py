@@ -16,7 +16,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import peer_client
-from swarm.head import ModelHead
+from swarm.model.head import ModelHead
 from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node
 

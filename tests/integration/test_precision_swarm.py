@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.demo import start_swarm
 from client.model import DistributedModelForCausalLM
-from swarm.records import default_model_id
+from swarm.net.records import default_model_id
 from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, Fault, LocalSwarm
 

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
-from swarm.checkpoint import Checkpoint
-from swarm.launch import cpu_quota_supported
+from swarm.model.checkpoint import Checkpoint
+from swarm.local.launch import cpu_quota_supported
 from swarm_harness import CACHE_TOKENS, MODEL_ID, Fault, LocalSwarm, wait_until
 
 pytestmark = pytest.mark.integration

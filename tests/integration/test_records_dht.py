@@ -10,9 +10,9 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from swarm import discovery, records
-from swarm.identity import Identity, load_or_create
-from swarm.transport import key_id
+from swarm.net import discovery, records
+from swarm.net.identity import Identity, load_or_create
+from swarm.net.transport import key_id
 from swarm_harness import MODEL_ID
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm import discovery, messages, record_service, records
+from swarm.net import discovery, messages, record_service, records
 from swarm.errors import SwarmError
 from swarm_harness import MODEL_ID
 
@@ -43,7 +43,7 @@ def test_the_directory_through_the_protocol(swarm, client, loop):
 
 
 def test_a_source_that_does_not_answer_is_skipped_and_none_answering_is_an_error(swarm, client, loop):
-    from swarm.identity import Identity
+    from swarm.net.identity import Identity
 
     nobody = Identity.generate().peer_id
     key = records.block_key(MODEL_ID, 0)
@@ -54,8 +54,8 @@ def test_a_source_that_does_not_answer_is_skipped_and_none_answering_is_an_error
 
 
 def test_a_malformed_request_gets_a_typed_error(swarm, client, loop):
-    from swarm import wire
-    from swarm.calls import exchange
+    from swarm.net import wire
+    from swarm.net.calls import exchange
     from swarm.errors import BadRequest
 
     async def ask():

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client.cli import stream_answer
 from client.generation import stop_token_ids
 from client.model import DistributedModelForCausalLM
-from swarm.records import default_model_id
+from swarm.net.records import default_model_id
 from swarm_harness import Fault, MODEL_ID, replicated_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import peer_client
-from swarm import discovery, wire
-from swarm.blocks import SpanBlocks
-from swarm.head import ModelHead
+from swarm.net import discovery, wire
+from swarm.model.blocks import SpanBlocks
+from swarm.model.head import ModelHead
 from swarm.span import Span
 
 pytestmark = pytest.mark.integration

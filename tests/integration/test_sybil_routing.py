@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
 from client.swarm_client import MAX_PINGS
-from swarm import __version__, records
+from swarm import __version__
+from swarm.net import records
 from swarm.errors import NoRoute
-from swarm.identity import Identity
-from swarm.transport import key_id
+from swarm.net.identity import Identity
+from swarm.net.transport import key_id
 from swarm_harness import LocalSwarm, MODEL_ID, client_node, start_split
 
 pytestmark = pytest.mark.integration

@@ -20,11 +20,12 @@ from peer.metrics import PeerMetrics
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
-from swarm import messages, wire
-from swarm.blocks import SpanBlocks, SpanCache
-from swarm.checkpoint import Checkpoint
+from swarm.net import messages, wire
+from swarm.model.blocks import SpanBlocks
+from swarm.model.cache import SpanCache
+from swarm.model.checkpoint import Checkpoint
 from swarm.errors import BadRequest, UnknownSession
-from swarm.head import ModelHead
+from swarm.model.head import ModelHead
 from swarm.span import Span
 from runtime_gate import Gate
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from peer.capacity import measure_block
-from swarm.blocks import SpanBlocks
+from swarm.model.blocks import SpanBlocks
 from swarm.span import Span
 
 pytestmark = pytest.mark.models

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from swarm.blocks import SpanBlocks
-from swarm.checkpoint import Checkpoint
-from swarm.head import ModelHead
+from swarm.model.blocks import SpanBlocks
+from swarm.model.checkpoint import Checkpoint
+from swarm.model.head import ModelHead
 from swarm.errors import BadRequest, CheckpointError, UnsupportedModel
 from swarm.span import Span
 

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.models, pytest.mark.slow]
 
 @torch.inference_mode()
 def test_three_spans_of_smollm2_match_transformers_generate(demo_model_dir):
-    from swarm.demo_model import DEMO_PROMPT
+    from swarm.local.demo_model import DEMO_PROMPT
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     ids = tokenizer(DEMO_PROMPT, return_tensors="pt").input_ids

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.demo_model import MARKER_FILE, prepare_demo_model
+from swarm.local.demo_model import MARKER_FILE, prepare_demo_model
 from swarm.errors import CheckpointError
 
 pytestmark = [pytest.mark.slow, pytest.mark.models]

@@ -1,7 +1,7 @@
 """Every model type of transformers' causal-LM mapping is served exactly or refused with a reason.
 
 Ground truth is each type's own model run by transformers in this process (see `tests/family_harness.py`
-for the tiny configs and the comparison). A type is "exact" here exactly when `swarm/families.py` lists
+for the tiny configs and the comparison). A type is "exact" here exactly when `swarm/model/families.py` lists
 it, so a type that breaks, or one that starts working, fails this test until the table is regenerated
 with `python benchmarks/model_coverage.py` (which also writes docs/models.md).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 from family_harness import check, model_types
 
-from swarm.checkpoint import Checkpoint
+from swarm.model.checkpoint import Checkpoint
 from swarm.errors import UnsupportedModel
-from swarm.families import EXACT, INEXACT
+from swarm.model.families import EXACT, INEXACT
 
 pytestmark = pytest.mark.models
 
@@ -31,7 +31,7 @@ def test_served_exactly_or_refused_with_a_reason(model_type, tmp_path):
     if model_type in EXACT:
         assert outcome.result == "exact", f"{model_type} is listed as exact but is {outcome.result}: {outcome.detail}"
     else:
-        assert outcome.result != "exact", f"{model_type} is now exact: regenerate swarm/families.py"
+        assert outcome.result != "exact", f"{model_type} is now exact: regenerate swarm/model/families.py"
     if outcome.result == "refused":
         assert "model type" in outcome.detail, f"the refusal of {model_type} does not name it: {outcome.detail}"
 
@@ -41,7 +41,7 @@ def test_per_layer_inputs_are_refused_before_any_weight_loads(tmp_path):
     carry it, so such a checkpoint is refused by its config alone (no weights are present here)."""
     from family_harness import tiny_config
 
-    from swarm.checkpoint import Checkpoint
+    from swarm.model.checkpoint import Checkpoint
     from swarm.errors import UnsupportedModel
 
     config = tiny_config("gemma4_text")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.blocks import SpanBlocks
+from swarm.model.blocks import SpanBlocks
 from swarm.span import Span
 
 pytestmark = pytest.mark.models

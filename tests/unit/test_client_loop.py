@@ -10,10 +10,10 @@ import time
 import pytest
 
 from client.loop import LoopThread
-from swarm import wire
-from swarm.calls import exchange, info
+from swarm.net import wire
+from swarm.net.calls import exchange, info
 from swarm.errors import ProtocolError, StepTimeout
-from swarm.transport import Stream
+from swarm.net.transport import Stream
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,11 @@ import types
 
 import pytest
 
-from swarm import __version__, records, transport
-from swarm.identity import Identity
-from swarm.transport import key_id
+from swarm import __version__
+
+from swarm.net import records, transport
+from swarm.net.identity import Identity
+from swarm.net.transport import key_id
 
 pytestmark = pytest.mark.unit
 

@@ -12,10 +12,10 @@ from bootstrap.health import (FORGET_AFTER, MAX_MODELS, SCHEMA_VERSION, Ping, Sn
                               learn, list_models)
 from bootstrap.monitor import describe_blocks
 from swarm.errors import BadRequest
-from swarm.identity import Identity
-from swarm.records import Announcement
-from swarm.messages import Info
-from swarm.wire import Message
+from swarm.net.identity import Identity
+from swarm.net.records import Announcement
+from swarm.net.messages import Info
+from swarm.net.wire import Message
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from swarm.identity import (Identity, IdentityError, b58decode, b58encode, load_or_create, peer_id_of,
+from swarm.net.identity import (Identity, IdentityError, b58decode, b58encode, load_or_create, peer_id_of,
                             public_key_of, verify)
 
 pytestmark = pytest.mark.unit

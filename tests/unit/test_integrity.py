@@ -1,4 +1,4 @@
-"""Input digests and push tags (`swarm.integrity`): any change a peer makes to a push it passes on is caught,
+"""Input digests and push tags (`swarm.net.integrity`): any change a peer makes to a push it passes on is caught,
 either by the receiving peer (the tag no longer fits: another session, step or sender) or by the client (what
 the hop computed on differs from the previous hop's output). Property-tested over arbitrary tampering."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from swarm import messages, wire
+from swarm.net import messages, wire
 from swarm.errors import BadRequest
-from swarm.identity import Identity
-from swarm.integrity import input_digest, new_push_key, push_tag, tag_ok
+from swarm.net.identity import Identity
+from swarm.net.integrity import input_digest, new_push_key, push_tag, tag_ok
 
 pytestmark = pytest.mark.unit
 

@@ -52,7 +52,7 @@ def test_the_checker_sees_lazy_and_dotted_imports(tmp_path):
 @pytest.mark.parametrize("statement", [
     "import bootstrap.node, bootstrap.commands",
     "from swarm.cli import build_parser; build_parser()",
-    "import swarm.transport, swarm.records, swarm.wire, swarm.discovery; swarm.transport._hm()",
+    "import swarm.net.transport, swarm.net.records, swarm.net.wire, swarm.net.discovery; swarm.net.transport._hm()",
 ])
 def test_no_torch_at_import(statement):
     code = f"{statement}\nimport sys\nprint('torch' in sys.modules, 'transformers' in sys.modules)"

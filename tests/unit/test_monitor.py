@@ -14,10 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from bootstrap import health, monitor as monitor_module
 from bootstrap.monitor import JSON_PATH, Monitor
-from swarm import calls, discovery, records
+from swarm.net import calls, discovery, records
 from swarm.errors import SwarmUnreachable
-from swarm.identity import Identity
-from swarm.messages import Info
+from swarm.net.identity import Identity
+from swarm.net.messages import Info
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
-from swarm import messages
+from swarm.net import messages
 from swarm.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -106,9 +106,9 @@ def test_a_client_gone_before_the_reply_is_not_an_error_of_the_peer():
     import asyncio
 
     from peer.servicer import Servicer
-    from swarm import wire
+    from swarm.net import wire
     from swarm.errors import BadRequest
-    from swarm.transport import Stream
+    from swarm.net.transport import Stream
 
     servicer = Servicer.__new__(Servicer)  # `_answer` needs only the config, the metrics and the error counts
     servicer.config, servicer.metrics, servicer.errors = PeerConfig(model=Path("m")), PeerMetrics(), {}

@@ -8,9 +8,11 @@ import math
 
 import pytest
 
-from swarm import placement
-from swarm.placement import Server, best_span, bottleneck, capacities, decide, plan, rebalance
-from swarm.records import Announcement
+from swarm.net import view
+from peer import placement
+from swarm.net.view import Server
+from peer.placement import best_span, bottleneck, capacities, decide, plan, rebalance
+from swarm.net.records import Announcement
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -65,9 +67,9 @@ def test_servers_take_each_blocks_newest_record_and_skip_offline_ones():
         anns.setdefault(b, []).extend(records)
     for b in (0, 1):
         anns[b].append(ann("stopped", 0, 2, state="offline", seq=2))
-    got = sorted((s.peer, str(s.span), s.state) for s in placement.servers(anns, 6))
+    got = sorted((s.peer, str(s.span), s.state) for s in view.servers(anns, 6))
     assert got == [("mover", "[0:2)", "online"), ("mover", "[2:6)", "joining")]
-    assert placement.servers(anns, 6, exclude={"mover"}) == []
+    assert view.servers(anns, 6, exclude={"mover"}) == []
 
 
 def test_a_lone_peer_takes_every_block_that_fits():
@@ -228,16 +230,16 @@ def test_clients_route_by_each_peers_newest_online_span():
     moving = by_block(ann("m", 0, 4, seq=1))
     for b, records in by_block(ann("m", 2, 6, state="joining", seq=2)).items():  # claimed, still loading
         moving[b] = [a for a in moving.get(b, []) if b < 2] + records
-    assert placement.online(moving)["m"].span == Span(0, 4)
+    assert view.online(moving)["m"].span == Span(0, 4)
     for b, records in by_block(ann("m", 2, 6, seq=3)).items():  # moved: the new span online...
         moving[b] = [a for a in moving.get(b, []) if a.seq != 2] + records
     for b in (0, 1):  # ... and the rest of the old one offline, under its own blocks
         moving[b].append(ann("m", 0, 4, state="offline", seq=4))
-    assert placement.online(moving)["m"].span == Span(2, 6)
+    assert view.online(moving)["m"].span == Span(2, 6)
     left = by_block(ann("gone", 0, 3, seq=1), ann("gone", 0, 3, state="offline", seq=2))
-    assert placement.online(left) == {}
+    assert view.online(left) == {}
     backed_off = by_block(ann("b", 0, 3, seq=1), ann("b", 3, 6, state="offline", seq=3))  # a claim taken back
-    assert placement.online(backed_off)["b"].span == Span(0, 3)
+    assert view.online(backed_off)["b"].span == Span(0, 3)
 
 
 def test_whole_shares_keep_the_slowest_stage_quickest():

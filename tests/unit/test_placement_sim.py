@@ -15,7 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from placement_sim import Config, Layer, Ours, Simulator, make_peers, may_move, simulate, weakest_start  # noqa: E402
-from swarm.placement import Server, capacities, rebalance  # noqa: E402
+from swarm.net.view import Server  # noqa: E402
+from peer.placement import capacities, rebalance  # noqa: E402
 from swarm.span import Span  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -11,9 +11,10 @@ import torch
 
 from client.encodings import Encodings, choose_encodings
 from client.routing import FORMAT_PENALTY_MS, Bans, Measurements, Offer, find_route
-from swarm import precision
+from swarm.model import precision
 from swarm.errors import ConfigError, NoRoute
-from swarm.precision import Precision, check_quant, precision_rank, resolve_device, resolve_dtype
+from swarm.formats import format_name, precision_rank
+from swarm.model.precision import Precision, check_quant, resolve_device, resolve_dtype
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -67,7 +68,7 @@ def test_formats_rank_from_nf4_to_float32():
     ranks = [precision_rank(*f) for f in (("bfloat16", "nf4"), ("float16", "int8"), ("float32", "int8"),
                                           ("bfloat16", "none"), ("float16", "none"), ("float32", "none"))]
     assert ranks == [0, 1, 1, 2, 2, 3]
-    assert precision.format_name("float32", "int8") == "int8/float32" and precision.format_name("bfloat16", "none") \
+    assert format_name("float32", "int8") == "int8/float32" and format_name("bfloat16", "none") \
         == "bfloat16"
 
 
@@ -130,7 +131,7 @@ def test_encodings_can_be_set_and_pick_by_step_size():
 # ---- memory: a quantized block counts at its format's size ----
 
 def test_quantized_blocks_count_smaller_in_the_budget(tiny_checkpoint):
-    from swarm.checkpoint import Checkpoint
+    from swarm.model.checkpoint import Checkpoint
 
     ckpt = Checkpoint(tiny_checkpoint("llama"))
     full = ckpt.block_bytes(0, torch.float32)
@@ -144,7 +145,7 @@ def test_a_quantized_peer_takes_proportionally_more_blocks_in_the_same_budget(ti
 
     from peer.config import PeerConfig
     from peer.server import memory_blocks
-    from swarm.checkpoint import Checkpoint
+    from swarm.model.checkpoint import Checkpoint
 
     path = tiny_checkpoint("llama")
     ckpt = Checkpoint(path)

@@ -7,8 +7,8 @@ import pytest
 
 from peer.servicer import check_chain
 from swarm.errors import BadRequest
-from swarm.identity import Identity
-from swarm.messages import ChainHop
+from swarm.net.identity import Identity
+from swarm.net.messages import ChainHop
 
 
 def parse_chain(value, own_id: str):

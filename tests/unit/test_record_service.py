@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from swarm import messages, records
+from swarm.net import messages, records
 from swarm.errors import BadRequest
-from swarm.identity import Identity
-from swarm.record_service import Found
+from swarm.net.identity import Identity
+from swarm.net.record_service import Found
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ HONEST, ATTACKER = Identity.generate(), Identity.generate()
 
 @pytest.mark.parametrize("length", [0, 1, 31, 32, 255, 256, 70_000])
 def test_key_ids_are_the_dht_s(length):
-    from swarm.transport import _hm
+    from swarm.net.transport import _hm
 
     key = ("k" * length) + "é"
     assert records.key_id(key) == _hm().DHTID.generate(source=key).to_bytes()
@@ -65,7 +65,7 @@ def test_addresses_in_a_reply_are_bounded():
 @pytest.mark.parametrize("fields", [{}, {"keys": []}, {"keys": ["a", "a"]}, {"keys": ["x" * 200]}, {"keys": [3]},
                                     {"keys": [f"k{i}" for i in range(messages.MAX_RECORD_KEYS + 1)]}])
 def test_malformed_requests_are_bad_requests(fields):
-    from swarm.wire import GET_RECORDS, Message
+    from swarm.net.wire import GET_RECORDS, Message
 
     with pytest.raises(BadRequest):
         messages.GetRecords.from_message(Message(GET_RECORDS, fields))

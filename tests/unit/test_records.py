@@ -9,8 +9,8 @@ import json
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from swarm.identity import Identity
-from swarm.records import (CLOCK_SKEW, DIRECTORY_BUCKETS, DIRECTORY_KEYS, ENVELOPE_VERSION, MAX_BLOCKS,
+from swarm.net.identity import Identity
+from swarm.net.records import (CLOCK_SKEW, DIRECTORY_BUCKETS, DIRECTORY_KEYS, ENVELOPE_VERSION, MAX_BLOCKS,
                            MAX_DIRECTORY_VALUE_BYTES, MAX_TTL, MAX_VALUE_BYTES, Announcement, RecordRejected,
                            SequenceGuard, block_key, directory_key, seal, signed_message, verify)
 

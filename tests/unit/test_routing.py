@@ -20,7 +20,7 @@ from client.config import ClientConfig
 from client.hops import SlowDetector
 from client.swarm_client import MAX_PINGS, PING_ROUNDS
 from swarm.errors import ConnectionLost, NoRoute
-from swarm.records import Announcement
+from swarm.net.records import Announcement
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.selection import blocks_for_budget
+from peer.selection import blocks_for_budget
 
 pytestmark = pytest.mark.unit
 

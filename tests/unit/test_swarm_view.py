@@ -11,9 +11,9 @@ import pytest
 
 from peer import balancer
 from swarm.errors import ConnectionLost, StepTimeout
-from swarm.records import Announcement
+from swarm.net.records import Announcement
 from swarm.span import Span
-from swarm.messages import Info
+from swarm.net.messages import Info
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from swarm.errors import BadRequest, ProtocolError
-from swarm.messages import Error
-from swarm.wire import (DATA, ERROR, HEADER, MAX_DIMS, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, STEP, Blob,
+from swarm.net.messages import Error
+from swarm.net.wire import (DATA, ERROR, HEADER, MAX_DIMS, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, STEP, Blob,
                         Message, blob_of, encode, read_message, tensor_of)
 
 pytestmark = pytest.mark.unit

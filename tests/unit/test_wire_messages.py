@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from swarm import messages, wire
-from swarm.hidden import encoding_bytes, round_trip
+from swarm.net import messages, wire
+from swarm.net.hidden import encoding_bytes, round_trip
 from swarm.errors import BadRequest, NotServing
 
 pytestmark = pytest.mark.unit

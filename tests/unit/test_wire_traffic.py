@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from swarm import wire
+from swarm.net import wire
 
 
 class Sink:

@@ -19,8 +19,8 @@ import hmac
 import secrets
 import struct
 
-from swarm.hidden import Hidden
-from swarm.wire import Blob
+from swarm.net.hidden import Hidden
+from swarm.net.wire import Blob
 
 DIGEST_CHARS = 32  # hex characters of an input digest (128 bits)
 TAG_CHARS = 32  # hex characters of a push tag (128 bits)

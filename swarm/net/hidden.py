@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import BadRequest
-from swarm.wire import Blob, blob_of, tensor_of, DTYPE_SIZES
+from swarm.net.wire import Blob, blob_of, tensor_of, DTYPE_SIZES
 
 FLOAT_ENCODINGS = ("float32", "float16", "bfloat16")
 ENCODINGS = FLOAT_ENCODINGS + ("int8",)

@@ -4,9 +4,7 @@ Invariants:
 - Layers are the family's own transformers classes, built from the config by composition, with
   their global layer index (so per-layer settings such as sliding windows stay right). Only the
   span's tensors are read from disk.
-- A `SpanCache` is indexed by global layer index; layers before the span stay empty and cost nothing.
-  Every cached layer keeps the full history (no sliding eviction), so the cache can be rolled back to
-  any earlier position; sliding-window layers get their window from the mask instead.
+- Sessions' caches are `swarm.model.cache.SpanCache`s: full history per layer, so any rollback is a crop.
 - The cache length always equals the session's position: a step at position p first rolls the cache
   back to p, and a step past the cache end is refused.
 - The attention mask is built for every step with transformers' own mask functions, sized against
@@ -26,152 +24,16 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionLayer, get_layer_types_and_kwargs)
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 
-from swarm.checkpoint import Checkpoint, parse_dtype
-from swarm.precision import Precision, module_bytes, quantize
+from swarm.model.checkpoint import Checkpoint, parse_dtype
+from swarm.model.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest
-from swarm.frame import LayerSlot, Plan, build
-from swarm.head import position_ids_for
+from swarm.model.cache import CACHE_LAYERS, SpanCache, span_kv
+from swarm.model.frame import LayerSlot, Plan, build, position_ids_for
 from swarm.span import Span
 
 logger = logging.getLogger(__name__)
-
-# Cache entry classes by layer kind. Attention kinds keep every past key and value (windows and chunks
-# come from the masks), so any earlier position can be returned to by cropping. Recurrent kinds keep a
-# state that cannot be cropped: rollback restores a copy taken at the end of an earlier step.
-CACHE_LAYERS = {
-    "full_attention": DynamicLayer, "sliding_attention": DynamicLayer, "chunked_attention": DynamicLayer,
-    "linear_attention": LinearAttentionLayer, "conv": LinearAttentionLayer,
-    "hybrid": LinearAttentionAndFullAttentionLayer, "hybrid_sliding": LinearAttentionAndFullAttentionLayer,
-    "dummy": DummyLayer,  # layers with no cache of their own (no attention, or one shared with another layer)
-}
-STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
-                "is_recurrent_states_initialized", "conv_kernel_size", "device", "dtype")
-SNAPSHOTS = 8  # recurrent states kept per session and span: rollback reaches back this many steps
-
-
-class SpanCache:
-    """One session's cache for one span: keys and values of every past token, and for recurrent layers
-    their state plus copies of it at the ends of the last `SNAPSHOTS` steps.
-
-    The cache has an entry for every block of the model, as the family's forward expects: the span's
-    blocks have their own; every other entry stands in for its kind (the span's first layer of the same
-    kind, or a length-only layer), so that whatever the family asks of "the cache" (its length, mask
-    sizes, whether a recurrent state exists) is the span's."""
-
-    def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
-                 kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None):
-        self.span = span
-        self.batch_size = batch_size
-        self.max_length = max_length
-        n = num_blocks or span.end
-        kinds = list(kinds) if kinds is not None else ["full_attention"] * n
-        counts = list(state_counts) if state_counts is not None else [1] * n
-        self.kinds = kinds
-        self.clock = DynamicLayer()  # holds only the length: zeros [batch, 1, length, 1]
-        own = {i: _cache_layer(kinds[i], counts[i]) for i in span}
-        self.kv = span_kv(span, n, own, kinds, self.clock)
-        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer)]
-        self.snapshots: dict[int, list[dict]] = {}
-
-    @property
-    def own(self) -> list:
-        return self.kv.layers[self.span.start:self.span.end]
-
-    @property
-    def length(self) -> int:
-        return self.clock.get_seq_length()
-
-    def advance(self, tokens: int) -> None:
-        """Record that a step of `tokens` tokens ran (after it succeeded)."""
-        zeros = torch.zeros(self.batch_size, 1, tokens, 1)
-        self.clock.update(zeros, zeros)
-        if self.stateful:
-            self.snapshots[self.length] = [_state_of(layer) for layer in self.stateful]
-            for old in sorted(self.snapshots)[:-SNAPSHOTS]:
-                del self.snapshots[old]
-
-    def rollback(self, position: int) -> None:
-        """Forget every token at `position` and after."""
-        if not 0 <= position <= self.length:
-            raise BadRequest(f"cannot roll the cache of span {self.span} back to {position}: it holds {self.length}")
-        drop = self.length - position
-        if not drop:
-            return
-        if self.stateful and position and position not in self.snapshots:
-            raise BadRequest(f"blocks {self.span}: recurrent state can return only to the ends of the last "
-                             f"{SNAPSHOTS} steps ({sorted(self.snapshots)}), not to {position}; replay from 0")
-        for layer in self.own:
-            if isinstance(layer, DynamicLayer):
-                DynamicLayer.crop(layer, -drop)  # a negative count drops that many tokens from the end
-        DynamicLayer.crop(self.clock, -drop)
-        for i, layer in enumerate(self.stateful):
-            if position:
-                _restore(layer, self.snapshots[position][i])
-            else:
-                layer.reset()
-        for later in [p for p in self.snapshots if p > position]:
-            del self.snapshots[later]
-
-    def nbytes(self) -> int:
-        tensors = [t for layer in self.own for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
-        tensors += [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
-                    for t in states.values()]
-        tensors += [t for snap in self.snapshots.values() for state in snap
-                    for states in (state["conv_states"], state["recurrent_states"]) for t in states.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _cache_layer(kind: str, states: int):
-    cls = CACHE_LAYERS.get(kind)
-    if cls is None:
-        raise BadRequest(f"no cache for layer kind {kind!r}")
-    return cls(number_of_states=states) if issubclass(cls, LinearAttentionLayer) else cls()
-
-
-def _state_of(layer) -> dict:
-    state = {}
-    for field in STATE_FIELDS:
-        value = getattr(layer, field)
-        state[field] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()} \
-            if isinstance(value, dict) else value
-    return state
-
-
-def _restore(layer, state: dict) -> None:
-    for field, value in state.items():
-        setattr(layer, field, {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
-                if isinstance(value, dict) else value)
-
-
-def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | None = None,
-            clock: DynamicLayer | None = None) -> DynamicCache:
-    """A cache with an entry per block: `layers` for the span's blocks; every other entry is the span's first
-    layer of the same family of kinds (attention or recurrent), else `clock` (length only) for attention
-    kinds and an empty recurrent layer for recurrent ones."""
-    kinds = list(kinds) if kinds is not None else ["full_attention"] * num_blocks
-    recurrent = [layers[i] for i in span if isinstance(layers[i], LinearAttentionLayer)]
-    attention = [layers[i] for i in span if isinstance(layers[i], DynamicLayer)]
-    spare_recurrent = None
-    entries = []
-    for i in range(num_blocks):
-        if i in layers:
-            entries.append(layers[i])
-        elif kinds[i] == "dummy":
-            entries.append(DummyLayer())
-        elif issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), LinearAttentionLayer) and \
-                not issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), DynamicLayer):
-            if not recurrent and spare_recurrent is None:
-                spare_recurrent = LinearAttentionLayer()
-            entries.append(recurrent[0] if recurrent else spare_recurrent)
-        else:
-            entries.append(attention[0] if attention else (clock or layers[span.start]))
-    kv = DynamicCache()
-    kv.layers = entries
-    return kv
-
 
 class SpanBlocks(torch.nn.Module):
     """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
@@ -181,7 +43,7 @@ class SpanBlocks(torch.nn.Module):
         """`reuse`: blocks already loaded (same checkpoint, dtype, device and weight format) whose layers
         inside `span` are shared rather than read again, so a peer moving to an overlapping span loads only
         the new blocks and holds the overlap once. `quant`: the layers' linear weights in int8 or nf4
-        (`swarm.precision.quantize`)."""
+        (`swarm.model.precision.quantize`)."""
         super().__init__()
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         span.check_within(ckpt.num_blocks)

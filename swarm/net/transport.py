@@ -5,7 +5,7 @@ Kademlia node on this process's event loop. Everything else in the project uses 
 put/get announcement records, serve a protocol, open a stream to a peer.
 
 Invariants:
-- The daemon's identity is our Ed25519 key (`swarm.identity`), so the peer id libp2p authenticates
+- The daemon's identity is our Ed25519 key (`swarm.net.identity`), so the peer id libp2p authenticates
   on every stream is the id that signs our records.
 - Every record stored or read by this node passes `records.verify` and a per-node `SequenceGuard`;
   a record failing either is dropped as if it did not exist, alone: the other entries of the same
@@ -18,7 +18,7 @@ Invariants:
   not after a raw read, because hivemind merges the replies per subkey by latest expiration: a bad
   entry let through to the merge could displace a good one of the same subkey.
 - The daemon never outlives this process: clean exit shuts it down; any other death of this
-  process is caught by a reaper process holding a pipe from us (`swarm.reaper`).
+  process is caught by a reaper process holding a pipe from us (`swarm.net.reaper`).
 - Stopping is bounded (`STOP_*` seconds per stage) and leaves no task of the transport behind: the DHT
   unregisters from the daemon while it runs, the daemon is stopped (killed if it lingers), then the
   tasks of hivemind's daemon client are cancelled and awaited, so their errors are collected here and
@@ -49,9 +49,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm import records, reaper
+from swarm.net import records, reaper
 from swarm.errors import ConfigError, ConnectionLost, SwarmError, SwarmUnreachable
-from swarm.identity import Identity, PeerId
+from swarm.net.identity import Identity, PeerId
 
 logger = logging.getLogger(__name__)
 

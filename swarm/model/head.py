@@ -1,6 +1,6 @@
 """The client's local part of a model: what the family computes before its first layer and after its last.
 
-Invariant: the family's own causal-LM forward computes both (see `swarm.frame`): embeddings with
+Invariant: the family's own causal-LM forward computes both (see `swarm.model.frame`): embeddings with
 their scales, multipliers, norms and position embeddings on the way in; final norm, LM head, logit
 scaling and soft-capping on the way out. Only the tensors those calls use are read from disk.
 """
@@ -12,9 +12,9 @@ import threading
 
 import torch
 
-from swarm.checkpoint import Checkpoint, parse_dtype
+from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
-from swarm.frame import Plan, build, length_cache
+from swarm.model.frame import Plan, build, length_cache, position_ids_for
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +102,3 @@ class ModelHead(torch.nn.Module):
 
 class _Captured(Exception):  # noqa: N818 - control flow, never escapes `final_hidden`
     pass
-
-
-def position_ids_for(batch: int, new_tokens: int, position: int, mask: torch.Tensor | None,
-                     device: torch.device) -> torch.Tensor:
-    """Positions of `new_tokens` tokens placed at `position`; with a 0/1 mask, as transformers' generate
-    counts them for left-padded batches (only real tokens count)."""
-    if mask is None:
-        return torch.arange(position, position + new_tokens, device=device).unsqueeze(0).expand(batch, -1)
-    ids = mask.long().cumsum(-1) - 1
-    ids = ids.masked_fill(mask == 0, 1)
-    return ids[:, position:position + new_tokens].to(device)

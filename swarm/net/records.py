@@ -36,7 +36,7 @@ import dataclasses
 import functools
 from dataclasses import asdict, dataclass, field
 
-from swarm.identity import Identity, PeerId, verify as verify_signature
+from swarm.net.identity import Identity, PeerId, verify as verify_signature
 from swarm.span import Span
 
 ENVELOPE_VERSION = 1
@@ -132,7 +132,7 @@ class Announcement:
     links: dict | None = None
     max_blocks: int | None = None  # blocks its memory budget holds (placement weighs spans by it)
     # How it computes (block records only; absent in older records: float32 on a CPU): device kind, dtype,
-    # and weight format of the layers' linear weights (swarm.precision).
+    # and weight format of the layers' linear weights (swarm.model.precision).
     device: str | None = None
     dtype: str | None = None
     quant: str | None = None

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.identity import load_or_create
+from swarm.net.identity import load_or_create
 
 METRICS_LINE = re.compile(r"peer \S+ metrics at (http://\S+/metrics)")
 SPAN_LINE = re.compile(r"peer \S+ (?:serving blocks|moved from blocks \S+ to) \[(\d+):(\d+)\)")

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 
-from swarm import messages, wire
+from swarm.net import messages, wire
 from swarm.errors import BadRequest, ConnectionLost, ProtocolError, StepTimeout, error_from_code
-from swarm.transport import Node, Stream
+from swarm.net.transport import Node, Stream
 
 MAX_REPLY_BYTES = 1 << 30  # tensor bytes of a session or forward reply (hidden states)
 
 
 def decode_reply(cls, reply: wire.Message, peer: object, what: str):
-    """`reply` as a `cls` message (`swarm.messages`); a reply of another type or a malformed one is a
+    """`reply` as a `cls` message (`swarm.net.messages`); a reply of another type or a malformed one is a
     `ProtocolError` on our side (the peer's fault), never a `BadRequest`."""
     if reply.type != cls.TYPE:
         raise ProtocolError(f"peer {peer} answered {what!r} with {reply.type!r}")

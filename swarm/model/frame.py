@@ -376,3 +376,14 @@ def build(ckpt, dtype: torch.dtype, device: torch.device, blocks=(), modules=fro
     skel.requires_grad_(False)
     skel.eval()
     return frame, layers
+
+
+def position_ids_for(batch: int, new_tokens: int, position: int, mask: torch.Tensor | None,
+                     device: torch.device) -> torch.Tensor:
+    """Positions of `new_tokens` tokens placed at `position`; with a 0/1 mask, as transformers' generate
+    counts them for left-padded batches (only real tokens count)."""
+    if mask is None:
+        return torch.arange(position, position + new_tokens, device=device).unsqueeze(0).expand(batch, -1)
+    ids = mask.long().cumsum(-1) - 1
+    ids = ids.masked_fill(mask == 0, 1)
+    return ids[:, position:position + new_tokens].to(device)

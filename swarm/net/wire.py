@@ -12,7 +12,7 @@ Frame: 4-byte big-endian payload length, 1 kind byte (HEADER or DATA), payload. 
 - tensors are explicit dtype (from an allowlist) + shape + raw little-endian bytes.
 
 Protocol ids are versioned constants; a breaking change gets a new id. What each message holds, and
-how hidden states are encoded in it, is `swarm/messages.py`.
+how hidden states are encoded in it, is `swarm/net/messages.py`.
 """
 
 from __future__ import annotations

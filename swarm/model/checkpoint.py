@@ -30,7 +30,7 @@ from transformers.core_model_loading import (WeightConverter, WeightRenaming, co
 from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
-from swarm import families
+from swarm.model import families
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Checkpoint:
     def _read_layout(self) -> ModelLayout:
         """Find the layer list and run the family's forward around empty slots, before any weight loads:
         a family whose forward cannot be split at its layers is refused here, with the reason."""
-        from swarm import frame as frames
+        from swarm.model import frame as frames
 
         try:
             skel = self.skeleton()
@@ -189,7 +189,7 @@ class Checkpoint:
     def _session_cache(self, span, batch: int = 1):
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        from swarm.blocks import SpanCache
+        from swarm.model.cache import SpanCache
 
         kinds, per_layer = get_layer_types_and_kwargs(self.text_config)
         return SpanCache(span, batch, 16, self.num_blocks, kinds, [kw.get("number_of_states", 1) for kw in per_layer])
@@ -223,7 +223,7 @@ class Checkpoint:
     def block_bytes(self, block: int, dtype: torch.dtype, quant: str = "none") -> int:
         """Bytes block `block`'s parameters take in `dtype`, from the file headers (nothing is loaded). With
         `quant`, the 2-D weights (the linear layers' inside a block) count at the quantized format's size."""
-        from swarm.precision import weight_bytes_per_param
+        from swarm.model.precision import weight_bytes_per_param
 
         with self._slices(self.names_for([block])) as slices:
             shapes = [s.get_shape() for s in slices.values()]

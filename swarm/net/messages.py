@@ -1,9 +1,9 @@
 """What each message holds, and how hidden states travel in it.
 
-Every message type of `swarm.wire` has a frozen dataclass here: `to_message()` builds the wire message,
+Every message type of `swarm.net.wire` has a frozen dataclass here: `to_message()` builds the wire message,
 `from_message()` checks a received one and raises `BadRequest` (a typed error the sender gets back) for
 anything malformed; framing errors are `ProtocolError`s from `wire.read_message` before that. Hidden
-states travel in one of `ENCODINGS` (`swarm.hidden.Hidden`, re-exported here).
+states travel in one of `ENCODINGS` (`swarm.net.hidden.Hidden`, re-exported here).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.errors import BadRequest, SwarmError
-from swarm.hidden import ENCODINGS, Hidden, _check_encoding
-from swarm.integrity import DIGEST_CHARS, KEY_CHARS, TAG_CHARS
-from swarm.wire import (Blob, Message, MAX_CHAIN, OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH,
+from swarm.net.hidden import ENCODINGS, Hidden, _check_encoding
+from swarm.net.integrity import DIGEST_CHARS, KEY_CHARS, TAG_CHARS
+from swarm.net.wire import (Blob, Message, MAX_CHAIN, OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH,
                         GET_RECORDS, RECORDS)
 
 
@@ -88,7 +88,7 @@ def _check_type(msg: Message, cls) -> None:
 @dataclass(frozen=True)
 class ChainHop:
     """A later hop of a chained step: the peer, the client's session there, the step id to use, and the tag
-    that lets the hop before it push this step (`swarm.integrity.push_tag`)."""
+    that lets the hop before it push this step (`swarm.net.integrity.push_tag`)."""
 
     peer: str
     session: str
@@ -162,7 +162,7 @@ class Opened:
     dtype: str = "float32"
     quant: str = "none"
     device: str = "cpu"
-    push_key: str = ""  # the session's secret for push tags (`swarm.integrity`)
+    push_key: str = ""  # the session's secret for push tags (`swarm.net.integrity`)
 
     def to_message(self) -> Message:
         return Message(OPENED, {"session": self.session, "start": self.start, "end": self.end, "batch": self.batch,
@@ -246,7 +246,7 @@ class Output:
     length: int | None = None
     pushed: bool | None = None  # chained steps only: whether the output left for the next peer
     push_error: str | None = None
-    input: str | None = None  # session steps only: the digest of what it computed on (`swarm.integrity`)
+    input: str | None = None  # session steps only: the digest of what it computed on (`swarm.net.integrity`)
 
     def to_message(self) -> Message:
         fields = {"encoding": self.hidden.encoding, "compute_ms": round(self.compute_ms, 3)}

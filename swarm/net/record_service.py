@@ -15,8 +15,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from swarm import messages, records, wire
-from swarm.calls import decode_reply, exchange
+from swarm.net import messages, records, wire
+from swarm.net.calls import decode_reply, exchange
 from swarm.errors import BadRequest, Busy, ProtocolError, SwarmError
 
 logger = logging.getLogger(__name__)
