@@ -60,7 +60,7 @@ class Counters:
 
 
 class StepTimer:
-    """Stands in for a `RemoteSession`'s `InferenceSession`: times each step and sums its links' compute.
+    """Stands in for a `TokenSession`'s `InferenceSession`: times each step and sums its links' compute.
 
     With `count_bytes`, reads every peer's counters after the first step (the prefill)."""
 

@@ -36,7 +36,7 @@ import json, statistics, sys, time
 import torch
 from transformers import AutoTokenizer
 from client.model import DistributedModelForCausalLM
-from client.session import InferenceSession
+from client.inference.session import InferenceSession
 path, transport, tokens, addrs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 tokenizer = AutoTokenizer.from_pretrained(path)
 ids = tokenizer.apply_chat_template([{"role": "user", "content": %r}], add_generation_prompt=True,

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from client import peer_client  # noqa: E402
+from client.inference import peer_session  # noqa: E402
 from client.loop import LoopThread  # noqa: E402
 from report import machine, write_section  # noqa: E402
 from swarm.model.checkpoint import Checkpoint  # noqa: E402
@@ -62,7 +62,7 @@ async def measure(node: Node, peer: str, span: Span, hidden_size: int, sessions:
                   rounds: int) -> list[float]:
     """Aggregate decode tokens/s of each round with `sessions` sessions decoding at once."""
     max_length = prompt_length(sessions) + WARMUP_STEPS + steps * rounds + 1
-    opened = [await peer_client.PeerSession.open(node, peer, MODEL_ID, span, max_length=max_length)
+    opened = [await peer_session.PeerSession.open(node, peer, MODEL_ID, span, max_length=max_length)
               for _ in range(sessions)]
     try:
         x = torch.randn(1, 1, hidden_size)
@@ -103,7 +103,7 @@ def run(counts: list[int], steps: int, rounds: int) -> dict[int, tuple[float, fl
         with LoopThread() as lt:
             async def main() -> dict[int, tuple[float, float]]:
                 async with Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True) as node:
-                    hidden_size = (await peer_client.info(node, peer.peer_id)).hidden_size
+                    hidden_size = (await peer_session.info(node, peer.peer_id)).hidden_size
                     results = {}
                     for n in counts:
                         before = scrape(url)

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from client import peer_client  # noqa: E402
+from client.inference import peer_session  # noqa: E402
 from client.loop import LoopThread  # noqa: E402
 from swarm.model.blocks import SpanBlocks  # noqa: E402
 from swarm.net.identity import Identity  # noqa: E402
@@ -60,7 +60,7 @@ def measure(hidden: int, steps: int, root: Path) -> dict[str, float]:
         with LoopThread() as lt:
             async def run():
                 async with Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True) as node:
-                    session = await peer_client.PeerSession.open(node, peer.peer_id, "bench", Span(0, 1),
+                    session = await peer_session.PeerSession.open(node, peer.peer_id, "bench", Span(0, 1),
                                                                  max_length=steps + 16)
                     rtts, computes = [], []
                     x = torch.randn(1, 1, hidden)

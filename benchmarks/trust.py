@@ -183,7 +183,7 @@ def steps_until_caught(model, ids: torch.Tensor, max_steps: int) -> int | None:
 async def hog_sessions(node, net: LocalSwarm, path: Path, prompt: int, limit: int = 64) -> list[list]:
     """As many sessions at every peer as it lets this client open (at most `limit` each), each filled with
     `prompt` tokens: [session, hidden size, length] each."""
-    from client.peer_client import PeerSession
+    from client.inference.peer_session import PeerSession
     from swarm.net.calls import info
     from swarm.errors import SwarmError
     from swarm.span import Span

@@ -1,4 +1,4 @@
-"""transformers' `generate()` with checked outputs (`client.verify`): what a streamer sees is verified output
+"""transformers' `generate()` with checked outputs (`client.inference.verify`): what a streamer sees is verified output
 only, and a lie found during or after the generation makes it go on from the last right position.
 
 `HeldStreamer` wraps the caller's streamer: transformers puts the prompt, then each step's new tokens; the
@@ -59,7 +59,7 @@ class HeldStreamer:
 
 
 def checked_generate(generate, remote, inputs: torch.Tensor, kwargs: dict):
-    """`generate(inputs, **kwargs)` (transformers') in `remote` (a `RemoteSession`), verified."""
+    """`generate(inputs, **kwargs)` (transformers') in `remote` (a `TokenSession`), verified."""
     prompt_length = inputs.shape[1]
     held = HeldStreamer(kwargs.pop("streamer", None), remote.session, prompt_length)
     ids, base = inputs, kwargs

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from client.config import ClientConfig
 from client.loop import LoopThread
-from client.swarm_client import SwarmClient
+from client.inference.swarm_client import SwarmClient
 from swarm.errors import ConfigError
 from swarm.net.identity import Identity
 from swarm.net.transport import Node
@@ -54,7 +54,7 @@ async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
     if config.transport == "libp2p":
         if settle:
             settle_heap(config)
-        from client.light import LightNode
+        from client.light.node import LightNode
 
         async with LightNode(config.initial_peers) as node:
             yield SwarmClient(node, model_id, num_blocks, config)

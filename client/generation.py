@@ -31,8 +31,8 @@ import torch
 
 from client.drafts import PromptLookup
 from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
-from client.session import Failover, InferenceSession
-from client.swarm_client import SwarmClient
+from client.inference.session import Failover, InferenceSession
+from client.inference.swarm_client import SwarmClient
 from swarm.errors import Rewound, SwarmError
 from swarm.model.head import ModelHead
 

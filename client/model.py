@@ -28,8 +28,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from client.checked import checked_generate
 from client.config import ClientConfig
 from client.connection import SwarmConnection
-from client.routing import Hop
-from client.session import Failover, InferenceSession
+from client.inference.routing import Hop
+from client.inference.session import Failover, InferenceSession
 from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
 from swarm.errors import BadRequest
 from swarm.model.head import ModelHead
@@ -44,7 +44,7 @@ def notice_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class RemoteSession:
+class TokenSession:
     """A token-level inference session (sync): `with model.inference_session(max_length=64) as s:`.
 
     `step(new_ids)` appends tokens and returns their logits; `feed(all_ids)` takes the whole sequence
@@ -121,7 +121,7 @@ class RemoteSession:
     def close(self) -> None:
         self.model.connection.run(self.session.close(), timeout=30)
 
-    def __enter__(self) -> RemoteSession:
+    def __enter__(self) -> TokenSession:
         if self.model.active_session is not None:
             raise BadRequest("an inference session is already active on this model")
         self.model.active_session = self
@@ -139,13 +139,17 @@ def kept_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> 
     return hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
 
 
+
+RemoteSession = TokenSession  # the name before 0.2; kept for code that imports it
+
+
 class SwarmCache(Cache):
     """A remote session's caches as transformers' generation sees a cache: its length is the session's, and
-    `crop` rolls the session back by position (`RemoteSession.truncate`). What assisted generation needs:
+    `crop` rolls the session back by position (`TokenSession.truncate`). What assisted generation needs:
     after a pass over drafted tokens, it crops the rejected ones, and the next step goes on from the last
     accepted token. It holds no tensors: the caches live on the peers."""
 
-    def __init__(self, remote: RemoteSession):
+    def __init__(self, remote: TokenSession):
         super().__init__(layers=[])
         self.remote = remote
 
@@ -174,7 +178,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.head = head
         self.connection = connection
         self.model_id = model_id
-        self.active_session: RemoteSession | None = None
+        self.active_session: TokenSession | None = None
         # told (on the client's event loop) when a session starts to wait for blocks to be served again
         self.on_wait: Callable[[str], None] | None = notice_to_stderr
 
@@ -223,9 +227,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.head.lm_head
 
-    def inference_session(self, max_length: int) -> RemoteSession:
+    def inference_session(self, max_length: int) -> TokenSession:
         """A session whose caches on the peers hold up to `max_length` tokens per sequence."""
-        return RemoteSession(self, max_length)
+        return TokenSession(self, max_length)
 
     def route(self) -> list[Hop]:
         """The chain of peers a new session would use now."""
@@ -263,7 +267,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         with self.inference_session(max_length=self._max_length(ids.shape[1], kwargs)) as remote:
             return checked_generate(self._generate_in(remote), remote, ids, kwargs)
 
-    def _generate_in(self, remote: RemoteSession) -> Callable:
+    def _generate_in(self, remote: TokenSession) -> Callable:
         """transformers' generate for a session: assisted generation (`prompt_lookup_num_tokens`,
         `assistant_model`) gets the session as a cache it can crop."""
         def generate(ids, **kwargs):

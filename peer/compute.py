@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from peer.sessions import Session
+from peer.sessions import ServedSession
 from swarm.net import messages, wire
 from swarm.model.blocks import SpanBlocks
 from swarm.errors import BadRequest, UnknownSession
@@ -60,14 +60,14 @@ class Compute:
         self.precision, self.blocks = precision, blocks
         self.on_batch = on_batch  # called with the size of each shared forward (metrics)
 
-    def open(self, session: Session, batch: int, max_length: int, span: Span) -> None:
+    def open(self, session: ServedSession, batch: int, max_length: int, span: Span) -> None:
         """Give a new session its cache on the active blocks."""
         session.cache = self.blocks.new_cache(batch, max_length, span)
         session.blocks = self.blocks
 
     # ---- on the compute thread ----
 
-    def step(self, session: Session, step: messages.Step) -> tuple[messages.Hidden, float, int, int]:
+    def step(self, session: ServedSession, step: messages.Step) -> tuple[messages.Hidden, float, int, int]:
         """(output in the step's encoding, compute ms, cache length, sessions that shared the forward: 1)."""
         cache, blocks = session.cache, session.blocks  # read once: the event loop drops them if it closes
         self._check_open(session)
@@ -77,7 +77,7 @@ class Compute:
         ms = (time.perf_counter() - started) * 1e3
         return messages.Hidden.encode(out, step.hidden.encoding), ms, cache.length, 1
 
-    def batch(self, items: list[tuple[Session, messages.Step]]) -> list[Any]:
+    def batch(self, items: list[tuple[ServedSession, messages.Step]]) -> list[Any]:
         """One-token steps of several sessions (`step`'s arguments each).
 
         Steps at their cache's end share one forward; a step that rolls back runs alone; a bad step fails
@@ -128,7 +128,7 @@ class Compute:
         return Forward(self.blocks, forward, span, forward_parts(*forward.hidden.shape[:2], span))
 
     @staticmethod
-    def _check_open(session: Session) -> None:
+    def _check_open(session: ServedSession) -> None:
         if session.closed:
             raise UnknownSession(f"session {session.id} was closed")
 

@@ -21,7 +21,7 @@ from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.push import Pusher
 from peer.runtime import ClientSlots, Runtime
-from peer.sessions import Session, SessionTable
+from peer.sessions import ServedSession, SessionTable
 from swarm.net import messages, wire
 from swarm.model.blocks import SpanBlocks
 from swarm.errors import BadRequest, Busy, NotServing, ProtocolError, SwarmError, UnknownSession
@@ -92,7 +92,7 @@ class Servicer:
         keep running on the blocks they opened with until they close (a moving peer drains its old span)."""
         self.blocks, self.served.span = blocks, span
 
-    def sessions_on(self, blocks: SpanBlocks | None) -> list[Session]:
+    def sessions_on(self, blocks: SpanBlocks | None) -> list[ServedSession]:
         """Open sessions running on `blocks` (None: on any blocks but the active ones)."""
         return [s for s in self.sessions.sessions.values()
                 if (s.blocks is blocks if blocks is not None else s.blocks is not self.blocks)]
@@ -170,7 +170,7 @@ class Servicer:
         return serve
 
     async def serve_session(self, stream: Stream) -> None:
-        session: Session | None = None  # once closed (idle, reclaimed, drained) the next message learns why
+        session: ServedSession | None = None  # once closed (idle, reclaimed, drained) the next message learns why
         lock = asyncio.Lock()  # replies come from this handler and from steps pushed into the session
 
         async def send(msg: wire.Message) -> bool:
@@ -236,7 +236,7 @@ class Servicer:
             if session is not None:
                 self.sessions.close(session.id)
 
-    async def _chained_step(self, session: Session, step: messages.Step) -> wire.Message:
+    async def _chained_step(self, session: ServedSession, step: messages.Step) -> wire.Message:
         """A step from the session's client or pushed by the previous peer. With `next` (the rest of the
         client's route), the output is pushed on to the next peer before the reply says whether it left."""
         chain = check_chain(step.next, self.served.peer)
@@ -297,7 +297,7 @@ class Servicer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _pushable(self, push: messages.Push, sender: str) -> Session | None:
+    def _pushable(self, push: messages.Push, sender: str) -> ServedSession | None:
         """The session a pushed step may run in, or None (counted) if it must be dropped: the session is not
         open here, the tag is not the one the client made for this step from `sender` (the pushing stream's
         authenticated peer: any other peer's push is a forgery), the step is not the session's next one (an
@@ -322,7 +322,7 @@ class Servicer:
             return None
         return session
 
-    async def _pushed(self, session: Session, msg: messages.Step, slots: asyncio.Semaphore) -> None:
+    async def _pushed(self, session: ServedSession, msg: messages.Step, slots: asyncio.Semaphore) -> None:
         received = time.perf_counter()
         step = msg.step
         self.pushes["received"] += 1
@@ -347,7 +347,7 @@ class Servicer:
         if await session.send(reply) and reply.type == wire.OUTPUT:
             self.metrics.step_replied(time.perf_counter() - received)
 
-    def _open(self, request: messages.Open, client: str = "") -> Session:
+    def _open(self, request: messages.Open, client: str = "") -> ServedSession:
         """A new session of `client` (the stream's authenticated peer), its cache committed as it grows."""
         span = self._check_target(request.model, request.start, request.end)
         if request.max_length > self.config.max_length:
@@ -363,7 +363,7 @@ class Servicer:
                      request.batch, request.max_length, "/".join(request.encodings))
         return session
 
-    async def _step(self, session: Session, step: messages.Step) -> messages.Output:
+    async def _step(self, session: ServedSession, step: messages.Step) -> messages.Output:
         if step.position >= session.max_length:
             raise BadRequest(f"'position' must be an integer in [0, {session.max_length - 1}], got {step.position}")
         self._check_hidden(step.hidden, session.encodings, session.batch)

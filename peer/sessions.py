@@ -38,7 +38,7 @@ GROW_TOKENS = 128  # tokens per sequence a reservation grows by: a step rarely w
 
 
 @dataclass
-class Session:
+class ServedSession:
     id: str
     span: Span
     batch: int
@@ -81,7 +81,7 @@ class SessionTable:
     share: float = 0.25  # of the cache and of the sessions, one client's fair share
     reclaim_idle: float = 5.0  # seconds without a step before a session may be reclaimed for another
     on_release: Callable[[], None] | None = None
-    sessions: dict[str, Session] = field(default_factory=dict)
+    sessions: dict[str, ServedSession] = field(default_factory=dict)
     _counter: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -110,7 +110,7 @@ class SessionTable:
         return tokens, count
 
     def open(self, span: Span, batch: int, max_length: int, encodings: tuple, now: float,
-             client: str = "") -> Session:
+             client: str = "") -> ServedSession:
         if batch * max_length > self.cache_tokens:
             raise OutOfCache(f"a session of batch {batch} x length {max_length} needs more than this peer's whole "
                              f"cache ({self.cache_tokens} tokens); try another peer or a shorter max length")
@@ -118,11 +118,11 @@ class SessionTable:
         self.make_room(client, batch * room, 1, now)
         # pushes into the session need a tag made with its push key (`swarm.net.integrity`); the id is unguessable too
         sid = f"s{next(self._counter)}-{secrets.token_hex(12)}"
-        session = Session(sid, span, batch, max_length, tuple(encodings), room, now, client, used_at=now)
+        session = ServedSession(sid, span, batch, max_length, tuple(encodings), room, now, client, used_at=now)
         self.sessions[sid] = session
         return session
 
-    def grow(self, session: Session, length: int, now: float) -> None:
+    def grow(self, session: ServedSession, length: int, now: float) -> None:
         """Make `session`'s reservation cover `length` tokens per sequence (at most its max length). A closed
         session does not grow (its step fails when it reaches the compute)."""
         room = room_for(length, session.max_length)
@@ -131,7 +131,7 @@ class SessionTable:
         self.make_room(session.client, session.batch * (room - session.room), 0, now, keep=session)
         session.room = room
 
-    def make_room(self, client: str, tokens: int, slots: int, now: float, keep: Session | None = None) -> None:
+    def make_room(self, client: str, tokens: int, slots: int, now: float, keep: ServedSession | None = None) -> None:
         """Reclaim sessions (never `keep`) until `tokens` more cache tokens and `slots` more sessions fit for
         `client`, by the rules of the module docstring; `OutOfCache` or `Busy`, reclaiming nothing, if they
         cannot."""
@@ -160,10 +160,10 @@ class SessionTable:
             self.close(s.id, f"was reclaimed for another session when this peer was full (it was idle "
                              f"{s.idle_for(now):.1f} s)")
 
-    def _idle(self, s: Session, now: float) -> bool:
+    def _idle(self, s: ServedSession, now: float) -> bool:
         return s.idle_for(now) >= self.reclaim_idle
 
-    def _reclaimable(self, s: Session, client: str | None, held: Counter, share: int, need: int, now: float) -> bool:
+    def _reclaimable(self, s: ServedSession, client: str | None, held: Counter, share: int, need: int, now: float) -> bool:
         return self._idle(s, now) or (s.client != client and held[s.client] > share and held[client] + need <= share)
 
     def _refusal(self, short: int, client: str, tokens: int) -> Exception:
@@ -185,7 +185,7 @@ class SessionTable:
                      and self._reclaimable(s, client, tokens, self.token_share, GROW_TOKENS, now))
         return max(free, min(self.token_share - tokens[client], free + forced))
 
-    def get(self, sid: str) -> Session:
+    def get(self, sid: str) -> ServedSession:
         session = self.sessions.get(sid)
         if session is None or session.closed:
             raise UnknownSession(f"session {sid} is not open on this peer (closed, reclaimed or never opened)")

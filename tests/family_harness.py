@@ -222,7 +222,7 @@ def build(model_type: str, directory: Path, seed: int = 0) -> Path:
 @torch.inference_mode()
 def check(model_type: str, directory: Path) -> Outcome:
     """Build, then compare or record the refusal; never raises."""
-    from client.local_chain import LocalChain
+    from client.inference.local_chain import LocalChain
     from swarm.model.checkpoint import Checkpoint
     from swarm.errors import UnsupportedModel
     from swarm.span import split_evenly

@@ -14,7 +14,7 @@ measured and why the defaults are what they are: docs/operations.md ("Devices an
   `nf4`: bitsandbytes' 4-bit NormalFloat, CUDA only.
 
 Exactness across formats: peers in different formats compute slightly different numbers for the same
-input. A session keeps one format per span where it can (`client.routing` prefers the format a span
+input. A session keeps one format per span where it can (`client.inference.routing` prefers the format a span
 was opened with on failover), and a client can refuse formats below a precision (`--min-precision`).
 """
 

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from client.generation import stop_token_ids
 from client.loop import LoopThread
 from client.model import DistributedModelForCausalLM
-from client.peer_client import info
+from client.inference.peer_session import info
 from swarm_harness import client_node, wait_until
 from swarm.net.records import default_model_id
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from client import peer_client
+from client.inference import peer_session
 from swarm.net import messages, wire
 from swarm.span import Span
 from swarm_harness import MODEL_ID
@@ -23,7 +23,7 @@ TYPED = {"bad_request", "protocol", "not_serving", "unknown_session", "out_of_ca
 
 @pytest.fixture(scope="module")
 def target(swarm, client, loop):
-    info = loop.run(peer_client.info(client, swarm.procs["peer1"].peer_id))
+    info = loop.run(peer_session.info(client, swarm.procs["peer1"].peer_id))
     return info.peer, Span(info.start, info.end)
 
 
@@ -36,7 +36,7 @@ def honest_session(target, client, loop):
     stepped every KEEPALIVE_S seconds in the background, so however long one malformed request takes (a
     slow machine), the peer never reclaims it for being idle: what breaks it can only be the requests."""
     peer, span = target
-    session = loop.run(peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=16))
+    session = loop.run(peer_session.PeerSession.open(client, peer, MODEL_ID, span, max_length=16))
     x = torch.randn(1, 3, 64)
     expected = loop.run(session.step(x, 0))
     lock = asyncio.Lock()  # one step at a time on the session's stream
@@ -167,7 +167,7 @@ def test_malformed_requests_get_typed_errors_and_the_peer_keeps_serving(target, 
         assert reply.type in (wire.OPENED, wire.OUTPUT, wire.INFO, wire.ERROR)
         if reply.type == wire.ERROR:
             assert reply.fields["code"] in TYPED, reply.fields
-    assert loop.run(peer_client.info(client, peer)).errors.get("internal", 0) == 0
+    assert loop.run(peer_session.info(client, peer)).errors.get("internal", 0) == 0
     honest_session()
 
 
@@ -189,7 +189,7 @@ def test_fixed_bad_steps(target, client, loop, honest_session, case):
         model, blocks = (("other-model", span) if case == "wrong model" else
                          (MODEL_ID, Span(0, 2)) if case == "foreign blocks" else (MODEL_ID, span))
         try:
-            session = await peer_client.PeerSession.open(client, peer, model, blocks, max_length=8)
+            session = await peer_session.PeerSession.open(client, peer, model, blocks, max_length=8)
         except Exception as e:
             return e.code
         async with session:

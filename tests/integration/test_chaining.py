@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from client import peer_client
+from client.inference import peer_session
 from client.model import DistributedModelForCausalLM
 from swarm.net import messages, wire
 from swarm.errors import BadRequest, NotServing
@@ -90,7 +90,7 @@ def test_a_push_that_cannot_leave_is_reported_and_the_session_goes_on(probe, loo
     node, peer = probe
 
     async def scenario():
-        session = await peer_client.PeerSession.open(node, peer, MODEL_ID, Span(0, 2), max_length=16)
+        session = await peer_session.PeerSession.open(node, peer, MODEL_ID, Span(0, 2), max_length=16)
         try:
             x = torch.randn(1, 1, 64)
             nowhere = [{"peer": Identity.generate().peer_id, "session": "s0-nothing", "step": 0, "tag": "00" * 16}]
@@ -122,7 +122,7 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
     node, peer = probe
 
     async def scenario():
-        session = await peer_client.PeerSession.open(node, peer, MODEL_ID, Span(0, 2), max_length=16)
+        session = await peer_session.PeerSession.open(node, peer, MODEL_ID, Span(0, 2), max_length=16)
         push = await node.open(peer, wire.PUSH_PROTOCOL)
 
         async def send(fields, x, sender=node.peer_id, tag_step=None):
@@ -151,7 +151,7 @@ def test_pushed_steps_reach_the_session_and_stale_or_forged_ones_are_dropped(pro
         finally:
             await push.aclose()
             await session.close()
-        return await peer_client.info(node, peer)
+        return await peer_session.info(node, peer)
 
     info = loop.run(scenario(), timeout=60)
     assert info.pushes["received"] >= 1 and info.pushes["stale"] >= 3 and info.pushes["dropped"] >= 1
@@ -166,9 +166,9 @@ def test_a_peer_serves_no_one_it_blocks(chain_swarm, probe, loop, tiny_llama):
 
     async def scenario():
         with pytest.raises(NotServing, match="does not serve you"):
-            await peer_client.PeerSession.open(node, proc.peer_id, MODEL_ID, Span(0, 2), max_length=16)
+            await peer_session.PeerSession.open(node, proc.peer_id, MODEL_ID, Span(0, 2), max_length=16)
         with pytest.raises(NotServing):
-            await peer_client.info(node, proc.peer_id)
+            await peer_session.info(node, proc.peer_id)
 
     try:
         loop.run(scenario(), timeout=60)

@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 
 import browser
-from client import chat_page
+from client.api import chat_page
 from swarm import http
 
 pytestmark = pytest.mark.integration

@@ -22,10 +22,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import peer_client
+from client.inference import peer_session
 from client.model import DistributedModelForCausalLM
-from client.routing import REROUTE_AFTER
-from client.session import InferenceSession
+from client.inference.routing import REROUTE_AFTER
+from client.inference.session import InferenceSession
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
 from tiny_models import build_tiny_checkpoint
 
@@ -86,7 +86,7 @@ async def run_sessions(model) -> tuple[list[list[int]], list, dict[str, int]]:
         tokens = await asyncio.gather(*(greedy(s, model.head, started, opened) for s in sessions))
         routes = [s.route for s in sessions]
         peers = {h.peer for r in routes for h in r}
-        infos = {p: (await peer_client.info(client.node, p, timeout=10)).sessions for p in peers}
+        infos = {p: (await peer_session.info(client.node, p, timeout=10)).sessions for p in peers}
     finally:
         await asyncio.gather(*(s.close() for s in sessions))
     return tokens, routes, infos

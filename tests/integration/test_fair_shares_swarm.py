@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import peer_client
+from client.inference import peer_session
 from client.model import DistributedModelForCausalLM
 from swarm.net import discovery
 from swarm.model.blocks import SpanBlocks
@@ -46,7 +46,7 @@ class Hog:
 
     def __init__(self, node, peer: str):
         self.node, self.peer = node, peer
-        self.sessions: list[peer_client.PeerSession] = []
+        self.sessions: list[peer_session.PeerSession] = []
         self.refused: Exception | None = None
         self.reclaimed = 0
         self.forwards = self.failed_forwards = 0
@@ -54,14 +54,14 @@ class Hog:
     async def fill(self) -> None:
         for _ in range(8):
             try:
-                s = await peer_client.PeerSession.open(self.node, self.peer, MODEL_ID, ALL, max_length=512)
+                s = await peer_session.PeerSession.open(self.node, self.peer, MODEL_ID, ALL, max_length=512)
             except (OutOfCache, Busy) as e:
                 self.refused = e
                 return
             self.sessions.append(s)
             await s.step(torch.randn(1, HOG_LENGTH, 64), 0)
 
-    async def keep_busy(self, s: peer_client.PeerSession, stop: asyncio.Event) -> None:
+    async def keep_busy(self, s: peer_session.PeerSession, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await s.step(torch.randn(1, 1, 64), HOG_LENGTH - 1)
@@ -74,7 +74,7 @@ class Hog:
         """Large forwards, one after another; a hog goes on whatever answer it gets."""
         while not stop.is_set():
             try:
-                await peer_client.forward(self.node, self.peer, MODEL_ID, ALL, torch.randn(8, 512, 64))
+                await peer_session.forward(self.node, self.peer, MODEL_ID, ALL, torch.randn(8, 512, 64))
             except SwarmError:
                 self.failed_forwards += 1
                 await asyncio.sleep(0.05)
@@ -101,7 +101,7 @@ def test_a_large_forward_runs_in_short_jobs_to_the_same_numbers(fair_swarm, tiny
     mask = torch.ones(5, 512, dtype=torch.int64)
     mask[4, :100] = 0  # left padding
     with client_node(loop, fair_swarm.bootstrap_addrs) as node:
-        out = loop.run(peer_client.forward(node, fair_swarm.procs["peer"].peer_id, MODEL_ID, ALL, hidden, mask))
+        out = loop.run(peer_session.forward(node, fair_swarm.procs["peer"].peer_id, MODEL_ID, ALL, hidden, mask))
     torch.testing.assert_close(out, SpanBlocks(tiny_llama, ALL)(hidden, attention_mask=mask), atol=1e-5, rtol=1e-5)
 
 

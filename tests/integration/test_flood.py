@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from client import peer_client
+from client.inference import peer_session
 from peer.sessions import GROW_TOKENS
 from swarm.errors import Busy, OutOfCache, UnknownSession
 from swarm.span import Span
@@ -21,7 +21,7 @@ ATTACKERS, ROUNDS = 16, 16
 
 
 def target(swarm, client, loop, name: str) -> tuple[str, Span]:
-    info = loop.run(peer_client.info(client, swarm.procs[name].peer_id))
+    info = loop.run(peer_session.info(client, swarm.procs[name].peer_id))
     return info.peer, Span(info.start, info.end)
 
 
@@ -29,7 +29,7 @@ def test_flood_of_whole_cache_sessions_is_refused_fast(swarm, client, loop):
     peer, span = target(swarm, client, loop, "peer2")
 
     async def run():
-        honest = await peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=64)
+        honest = await peer_session.PeerSession.open(client, peer, MODEL_ID, span, max_length=64)
         x = torch.randn(1, 4, 64)
         expected = await honest.step(x, 0)
         latencies, refusals, honest_steps = [], [], []
@@ -39,7 +39,7 @@ def test_flood_of_whole_cache_sessions_is_refused_fast(swarm, client, loop):
             for _ in range(ROUNDS):
                 started = time.perf_counter()
                 try:
-                    s = await peer_client.PeerSession.open(client, peer, MODEL_ID, span,
+                    s = await peer_session.PeerSession.open(client, peer, MODEL_ID, span,
                                                            max_length=CACHE_TOKENS + 1)
                     await s.close()
                     refusals.append("opened")
@@ -76,26 +76,26 @@ def test_sessions_beyond_the_limit_are_busy(swarm, client, loop):
     peer, span = target(swarm, client, loop, "peer2")
 
     async def run():
-        results = await asyncio.gather(*(peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=4)
+        results = await asyncio.gather(*(peer_session.PeerSession.open(client, peer, MODEL_ID, span, max_length=4)
                                          for _ in range(MAX_SESSIONS + 8)), return_exceptions=True)
-        opened = [r for r in results if isinstance(r, peer_client.PeerSession)]
+        opened = [r for r in results if isinstance(r, peer_session.PeerSession)]
         busy = [r for r in results if isinstance(r, Busy)]
         for s in opened:
             await s.close()
-        return len(opened), len(busy), [r for r in results if not isinstance(r, (peer_client.PeerSession, Busy))]
+        return len(opened), len(busy), [r for r in results if not isinstance(r, (peer_session.PeerSession, Busy))]
 
     opened, busy, other = loop.run(run())
     assert other == []
     assert opened == MAX_SESSIONS and busy == 8
-    info = lambda: loop.run(peer_client.info(client, peer))  # noqa: E731
+    info = lambda: loop.run(peer_session.info(client, peer))  # noqa: E731
     wait_until(lambda: info().sessions == 0, 10, "closed sessions to be released")
     assert info().cache_tokens_left == CACHE_TOKENS
 
 
 def test_idle_sessions_give_their_cache_back(swarm, client, loop):
     peer, span = target(swarm, client, loop, "peer0")
-    session = loop.run(peer_client.PeerSession.open(client, peer, MODEL_ID, span, max_length=300))
-    info = lambda: loop.run(peer_client.info(client, peer))  # noqa: E731
+    session = loop.run(peer_session.PeerSession.open(client, peer, MODEL_ID, span, max_length=300))
+    info = lambda: loop.run(peer_session.info(client, peer))  # noqa: E731
     assert info().cache_tokens_left == CACHE_TOKENS - GROW_TOKENS  # committed as it grows
     loop.run(session.step(torch.randn(1, 2, 64), 0))
     started = time.monotonic()

@@ -72,7 +72,7 @@ def test_the_light_client_gives_the_hivemind_client_s_tokens(demo_swarm, demo_mo
     proc.stdin.flush()
     got = result(proc)
     assert got["tokens"] == want and not got["hivemind"] and got["refused"] == 0
-    # the slim host: neither libp2p's package __init__ nor its full host ran (see client/libp2p_host.py), and
+    # the slim host: neither libp2p's package __init__ nor its full host ran (see client/light/host.py), and
     # the process's objects were frozen before the join (client.connection.settle_heap)
     assert not got["libp2p_package"] and not got["basic_host"] and got["frozen"] > 0
     assert got["libp2p_log_level"] >= logging.WARNING  # as libp2p's own __init__ sets it: no INFO per stream

@@ -15,7 +15,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import peer_client
+from client.inference import peer_session
 from swarm.model.head import ModelHead
 from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node
@@ -69,10 +69,10 @@ class Client:
             self.mask = torch.ones(batch, length, dtype=torch.int64)
             self.mask[1, :pad] = 0
         self.logits: list[torch.Tensor] = []
-        self.session: peer_client.PeerSession | None = None
+        self.session: peer_session.PeerSession | None = None
 
     async def open(self, node, peer: str) -> None:
-        self.session = await peer_client.PeerSession.open(node, peer, MODEL_ID, ALL, max_length=MAX_LENGTH,
+        self.session = await peer_session.PeerSession.open(node, peer, MODEL_ID, ALL, max_length=MAX_LENGTH,
                                                           batch=self.batch)
 
     async def prefill(self) -> None:

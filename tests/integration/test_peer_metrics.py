@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import peer_client
+from client.inference import peer_session
 from swarm import __version__
 from swarm.errors import BadRequest
 from swarm.span import Span
@@ -88,12 +88,12 @@ def test_idle_peer_reports_its_state(metered, url):
 
 def test_session_steps_and_errors_are_counted(metered, url, node, loop):
     peer = metered.procs["metered"].peer_id
-    hidden_size = loop.run(peer_client.info(node, peer)).hidden_size
+    hidden_size = loop.run(peer_session.info(node, peer)).hidden_size
     before = Scrape(url)
     tokens = (5, 1, 1)  # a prefill, then two decode steps
 
-    async def open_and_step() -> peer_client.PeerSession:
-        session = await peer_client.PeerSession.open(node, peer, MODEL_ID, ALL, max_length=MAX_LENGTH, batch=BATCH)
+    async def open_and_step() -> peer_session.PeerSession:
+        session = await peer_session.PeerSession.open(node, peer, MODEL_ID, ALL, max_length=MAX_LENGTH, batch=BATCH)
         position = 0
         for n in tokens:
             await session.step(torch.randn(BATCH, n, hidden_size), position)
@@ -127,9 +127,9 @@ def test_session_steps_and_errors_are_counted(metered, url, node, loop):
 
 def test_forwards_are_counted(metered, url, node, loop):
     peer = metered.procs["metered"].peer_id
-    hidden_size = loop.run(peer_client.info(node, peer)).hidden_size
+    hidden_size = loop.run(peer_session.info(node, peer)).hidden_size
     before = Scrape(url)
-    loop.run(peer_client.forward(node, peer, MODEL_ID, ALL, torch.randn(3, 4, hidden_size)))
+    loop.run(peer_session.forward(node, peer, MODEL_ID, ALL, torch.randn(3, 4, hidden_size)))
     after = Scrape(url)
     for name in ("swarm_peer_forwards_total", "swarm_peer_forward_compute_seconds_count"):
         assert after[name] - before[name] == 1, name

@@ -127,7 +127,7 @@ def test_a_peer_frozen_mid_speculation_is_replaced_exactly(replicated, tiny_llam
                 os.kill(replicated.procs[fault.victim].popen.pid, signal.SIGCONT)
 
 
-# ---- a long prompt in chunks (`client.pipeline`) ----
+# ---- a long prompt in chunks (`client.inference.pipeline`) ----
 
 LONG_PROMPT = torch.arange(300)[None] * 7 % 250 + 1
 

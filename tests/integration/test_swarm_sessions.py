@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import peer_client
+from client.inference import peer_session
 from swarm.net import discovery, wire
 from swarm.model.blocks import SpanBlocks
 from swarm.model.head import ModelHead
@@ -20,7 +20,7 @@ from swarm_harness import MODEL_ID as MODEL
 @pytest.fixture(scope="module")
 def route(swarm, client, loop):
     """(peer id, span) for each peer, ordered by span, read from the peers themselves."""
-    infos = [loop.run(peer_client.info(client, p.peer_id)) for p in swarm.procs.values() if p.name.startswith("peer")]
+    infos = [loop.run(peer_session.info(client, p.peer_id)) for p in swarm.procs.values() if p.name.startswith("peer")]
     return sorted(((i.peer, Span(i.start, i.end)) for i in infos), key=lambda r: r[1].start)
 
 
@@ -41,7 +41,7 @@ def test_raw_session_matches_local_transformers(route, client, loop, tiny_llama)
     prompt = torch.randint(3, 256, (1, 11))
 
     async def run() -> tuple[list[torch.Tensor], list[int]]:
-        sessions = [await peer_client.PeerSession.open(client, peer, MODEL, span, max_length=64)
+        sessions = [await peer_session.PeerSession.open(client, peer, MODEL, span, max_length=64)
                     for peer, span in route]
         try:
             async def through(hidden: torch.Tensor, position: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_prefill_larger_than_the_message_cap_is_chunked(route, client, loop, tin
     peer, span = route[1]
     hidden = torch.randn(8, 2100, 64)  # 4.3 MB: two data frames each way
     assert hidden.numel() * 4 > wire.MAX_FRAME_BYTES
-    out = loop.run(peer_client.forward(client, peer, MODEL, span, hidden))
+    out = loop.run(peer_session.forward(client, peer, MODEL, span, hidden))
     local = SpanBlocks(tiny_llama, span)
     torch.testing.assert_close(out, local(hidden), atol=1e-4, rtol=1e-4)
 
@@ -89,6 +89,6 @@ def test_forward_of_a_sub_span_and_a_padded_batch(route, client, loop, tiny_llam
     hidden = torch.randn(2, 6, 64)
     mask = torch.ones(2, 6, dtype=torch.int64)
     mask[1, :2] = 0  # left padding
-    out = loop.run(peer_client.forward(client, peer, MODEL, sub, hidden, mask))
+    out = loop.run(peer_session.forward(client, peer, MODEL, sub, hidden, mask))
     local = SpanBlocks(tiny_llama, span)
     torch.testing.assert_close(out, local(hidden, attention_mask=mask, span=sub), atol=1e-4, rtol=1e-4)

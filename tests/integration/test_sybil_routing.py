@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client.model import DistributedModelForCausalLM
-from client.swarm_client import MAX_PINGS
+from client.inference.swarm_client import MAX_PINGS
 from swarm import __version__
 from swarm.net import records
 from swarm.errors import NoRoute

@@ -12,7 +12,7 @@ import torch
 from tiny_models import FAMILIES
 from transformers import AutoModelForCausalLM
 
-from client.local_chain import LocalChain
+from client.inference.local_chain import LocalChain
 from swarm.model.blocks import SpanBlocks
 from swarm.errors import BadRequest
 from swarm.model.head import ModelHead
@@ -218,7 +218,7 @@ def test_recurrent_state_rolls_back_to_kept_step_ends_only(tmp_path):
     0, is exact; to anywhere else it is a typed refusal that leaves the cache as it was."""
     from family_harness import build
 
-    from swarm.model.blocks import SNAPSHOTS
+    from swarm.model.cache import SNAPSHOTS
 
     path = build("mamba2", tmp_path / "ckpt")
     blocks = SpanBlocks(path, Span(0, 6))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client.local_chain import LocalChain
+from client.inference.local_chain import LocalChain
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from client.api_requests import MAX_STOP_STRINGS, ApiError, parse_chat, parse_common, parse_completion, parse_messages
+from client.api.requests import MAX_STOP_STRINGS, ApiError, parse_chat, parse_common, parse_completion, parse_messages
 from client.config import ApiConfig
 from client.sampling import Sampling
 

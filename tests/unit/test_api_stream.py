@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from client.api import Gateway
-from client.api_responses import ResponseBodies
-from client.api_stream import Runs
+from client.api.gateway import Gateway
+from client.api.responses import ResponseBodies
+from client.api.stream import Runs
 from client.config import ApiConfig
 from client.generation import Delta
 from swarm import http

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from client.api_errors import ApiError
-from client.api_requests import parse_messages
-from client.api_responses import ResponseBodies
-from client.api_tools import ToolStream, Tools, find_calls, parse_tools
+from client.api.errors import ApiError
+from client.api.requests import parse_messages
+from client.api.responses import ResponseBodies
+from client.api.tools import ToolStream, Tools, find_calls, parse_tools
 from client.generation import Delta
 
 pytestmark = pytest.mark.unit

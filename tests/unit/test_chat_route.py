@@ -13,8 +13,8 @@ import re
 import aiohttp
 import pytest
 
-from client import chat_page
-from client.api import Gateway
+from client.api import chat_page
+from client.api.gateway import Gateway
 from client.config import ApiConfig
 from swarm import http
 

@@ -1,4 +1,4 @@
-"""The client's one failure policy (`client.failures`): what is retried, who is banned and for how long, when a
+"""The client's one failure policy (`client.inference.failures`): what is retried, who is banned and for how long, when a
 request gives up, and who is blamed for an altered push."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from client.failures import LIAR_BAN_S, UNPROVEN_ATTEMPTS, FailurePolicy, retryable
-from client.routing import Bans
+from client.inference.failures import LIAR_BAN_S, UNPROVEN_ATTEMPTS, FailurePolicy, retryable
+from client.inference.routing import Bans
 from swarm.errors import (BadRequest, Busy, ChainMismatch, ConnectionLost, NoRoute, OutOfCache, ProtocolError,
                           StepTimeout, error_from_code)
 from swarm.span import Span

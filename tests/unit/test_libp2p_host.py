@@ -7,7 +7,7 @@ import typing
 
 import pytest
 
-from client import libp2p_host
+from client.light import host as libp2p_host
 
 
 def test_a_placeholder_class_is_a_type_to_annotate_with_but_refuses_to_be_made(monkeypatch):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from client.encodings import Encodings, choose_encodings
-from client.routing import FORMAT_PENALTY_MS, Bans, Measurements, Offer, find_route
+from client.inference.encodings import Encodings, choose_encodings
+from client.inference.routing import FORMAT_PENALTY_MS, Bans, Measurements, Offer, find_route
 from swarm.model import precision
 from swarm.errors import ConfigError, NoRoute
 from swarm.formats import format_name, precision_rank

@@ -12,13 +12,13 @@ from collections import Counter
 
 import pytest
 
-from client.routing import (CLAIM_CAP, LOAD_WEIGHT, UNKNOWN_BLOCK_MS, UNMEASURED_DELAY_MS, Bans, BlockWait, Hop,
+from client.inference.routing import (CLAIM_CAP, LOAD_WEIGHT, UNKNOWN_BLOCK_MS, UNMEASURED_DELAY_MS, Bans, BlockWait, Hop,
                             Measurements, Offer, find_route, ranges_text, route_cost_ms, slower_than_assumed,
                             worth_switching)
-from client import swarm_client
+from client.inference import swarm_client
 from client.config import ClientConfig
-from client.hops import SlowDetector
-from client.swarm_client import MAX_PINGS, PING_ROUNDS
+from client.inference.hops import SlowDetector
+from client.inference.swarm_client import MAX_PINGS, PING_ROUNDS
 from swarm.errors import ConnectionLost, NoRoute
 from swarm.net.records import Announcement
 from swarm.span import Span
@@ -294,7 +294,7 @@ class Flood:
         anns += [self.ann(p, 0, 6, 1e9, 10**12) for p in self.fakes]
         self.anns = {block: [a for a in anns if a.start <= block < a.end] for block in range(6)}
         monkeypatch.setattr(swarm_client.discovery, "announcements", self._announcements)
-        monkeypatch.setattr(swarm_client.peer_client, "info", self._info)
+        monkeypatch.setattr(swarm_client.peer_session, "info", self._info)
         self.client = swarm_client.SwarmClient(None, "m", 6, ClientConfig(ping_timeout=0.05, **config))
 
     @staticmethod

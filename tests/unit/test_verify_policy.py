@@ -1,4 +1,4 @@
-"""The comparison behind checked outputs (`client.verify`): tolerances by format, and distances that catch a
+"""The comparison behind checked outputs (`client.inference.verify`): tolerances by format, and distances that catch a
 lie of the size the tests' liar tells while honest rounding passes."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.hops import plausible
-from client.verify import distances, tolerance
+from client.inference.hops import plausible
+from client.inference.verify import distances, tolerance
 
 pytestmark = pytest.mark.unit
 

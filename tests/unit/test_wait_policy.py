@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from client.api import Gateway
-from client.api_responses import ResponseBodies
-from client.api_stream import Runs
+from client.api.gateway import Gateway
+from client.api.responses import ResponseBodies
+from client.api.stream import Runs
 from client.config import ApiConfig, ClientConfig
 from client.generation import Delta
-from client.routing import REROUTE_AFTER, Hop, Offer
-from client.session import InferenceSession
-from client.swarm_client import SwarmClient
+from client.inference.routing import REROUTE_AFTER, Hop, Offer
+from client.inference.session import InferenceSession
+from client.inference.swarm_client import SwarmClient
 from swarm import http
 from swarm.config import add_options, from_args
 from swarm.errors import ConfigError, NoRoute
@@ -240,7 +240,7 @@ def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
 def test_a_route_that_visits_a_peer_twice_is_relayed_not_chained():
     """A route rebuilt around a failure can pass the same peer twice; peers refuse such a chain, so the
     session relays those hops itself."""
-    from client.session import Link
+    from client.inference.session import Link
 
     session = InferenceSession(view(), 16)
     opened = SimpleNamespace()  # a session that is open (chaining only checks that there is one)

@@ -15,9 +15,9 @@ Chaining (`ClientConfig.chain`, on by default): once every hop has an open sessi
 first hop naming the later ones, and each peer pushes its output straight to the next
 (docs/protocol.md). Every peer still replies its output to the client, so the history is the same as
 when relaying. A hop whose push did not leave is sent its input by the client; a hop that fails or
-misses its deadline is handled exactly like a relayed failure (above). (`client.chaining`)
+misses its deadline is handled exactly like a relayed failure (above). (`client.inference.chaining`)
 
-Checked outputs (`ClientConfig.verify_fraction`, `client.verify`): hops are compared with other replicas
+Checked outputs (`ClientConfig.verify_fraction`, `client.inference.verify`): hops are compared with other replicas
 in the background; `verified_length` says how far all of them agreed, and a hop found lying is replaced
 and the session rolled back to its first wrong position (`Rewound` to a caller that wanted to go on).
 
@@ -48,14 +48,14 @@ from collections.abc import Callable
 
 import torch
 
-from client.encodings import REPLAY_ENCODING, Encodings
-from client.chaining import ChainedSteps
-from client.failures import Attempts, reason_of
-from client.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, check_plausible, step_mask
-from client.pipeline import PipelinedSteps
-from client.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
-from client.swarm_client import SwarmClient
-from client.verify import Verifier
+from client.inference.encodings import REPLAY_ENCODING, Encodings
+from client.inference.chaining import ChainedSteps
+from client.inference.failures import Attempts, reason_of
+from client.inference.hops import IDLE_REOPEN_S, Failover, Inputs, Link, SlowDetector, check_plausible, step_mask
+from client.inference.pipeline import PipelinedSteps
+from client.inference.routing import REROUTE_AFTER, Hop, slower_than_assumed, worth_switching
+from client.inference.swarm_client import SwarmClient
+from client.inference.verify import Verifier
 from swarm.net import hidden as wire_hidden
 from swarm.errors import BadRequest, ChainMismatch, NoRoute, Rewound, SwarmError
 from swarm.net.transport import describe_peer
@@ -93,7 +93,7 @@ class InferenceSession(ChainedSteps, PipelinedSteps):
         self.verifier: Verifier | None = None  # checks the hops' outputs (`verify_fraction` > 0)
         self.relay_next = False  # after a rewind, later hops hold more than the session: the next step is relayed
         self.hop_inputs = {"sent": 0, "pushed": 0}  # hop inputs the client sent, and those a peer pushed on
-        self.pipelined = 0  # steps that went through the route in chunks (`client.pipeline`)
+        self.pipelined = 0  # steps that went through the route in chunks (`client.inference.pipeline`)
         self._chain_began = 0.0  # when the last chained step was sent: a failover's stall counts from there
         self.closed = False
         self._closing: set[asyncio.Task] = set()  # sessions of replaced hops, closed in the background
@@ -199,7 +199,7 @@ class InferenceSession(ChainedSteps, PipelinedSteps):
             self.verifier.after_step([(link.hop.span, link.hop.peer) for link in self.links], self.length)
         return x
 
-    # ---- checked outputs (client.verify) ----
+    # ---- checked outputs (client.inference.verify) ----
 
     @property
     def verified_length(self) -> int:

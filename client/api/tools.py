@@ -28,7 +28,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from client.api_errors import ApiError, invalid
+from client.api.errors import ApiError, invalid
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from client.api_errors import ApiError, invalid  # noqa: F401 - the parsers' errors, imported from here too
-from client.api_tools import Tools, history_tool_calls, parse_tools
+from client.api.errors import ApiError, invalid  # noqa: F401 - the parsers' errors, imported from here too
+from client.api.tools import Tools, history_tool_calls, parse_tools
 from client.config import ApiConfig
 from client.sampling import Sampling
 

@@ -1,6 +1,6 @@
 """The chat page of `swarm api` (GET /): a web page that chats with the served model through the API.
 
-The page is one file, `client/static/chat.html` (package data), with its CSS and JavaScript inline: no
+The page is one file, `client/api/static/chat.html` (package data), with its CSS and JavaScript inline: no
 build step, no other asset, nothing fetched from anywhere but the gateway that served it. It reads the
 model id from `GET /v1/models` and streams answers from `POST /v1/chat/completions` (see the comment
 at the top of the file for what it does and what tests rely on).
@@ -28,7 +28,7 @@ PAGE = "static/chat.html"
 @functools.cache
 def page() -> tuple[bytes, str]:
     """The page's bytes and its Content-Security-Policy."""
-    body = resources.files("client").joinpath(PAGE).read_bytes()
+    body = resources.files("client.api").joinpath(PAGE).read_bytes()
     return body, http.content_policy(body)
 
 

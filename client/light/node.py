@@ -134,7 +134,7 @@ class LightNode:
         import trio
 
         async def main():
-            from client.libp2p_host import ClientHost
+            from client.light.host import ClientHost
 
             host = ClientHost()
             async with host.run(), trio.open_nursery() as nursery:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.api_requests import ApiError, invalid, texts_or_ids
+from client.api.requests import ApiError, invalid, texts_or_ids
 
 MAX_INPUTS = 2048  # as OpenAI's
 CONCURRENT = 4  # forwards of one request in flight at once

@@ -4,10 +4,10 @@ routes, admission (generation slots and queue), connection guards, metrics and t
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (one or more prompts),
 `POST /v1/chat/completions` (the model's chat template), `POST /v1/embeddings`, vLLM's tokenizer endpoints
 (`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`), `GET /metrics` (Prometheus) and a chat page
-at `GET /` (`client.chat_page`). Its parts:
-`client.api_requests` parses requests into typed values once (and `Sampling` at one boundary),
-`client.api_responses` shapes the answers, `client.api_stream` runs a request's generations and streams
-them, `client.api_embeddings` and `client.api_tokenizer` serve their endpoints. One process, one event
+at `GET /` (`client.api.chat_page`). Its parts:
+`client.api.requests` parses requests into typed values once (and `Sampling` at one boundary),
+`client.api.responses` shapes the answers, `client.api.stream` runs a request's generations and streams
+them, `client.api.embeddings` and `client.api.tokenizer` serve their endpoints. One process, one event
 loop: the HTTP server, a client-mode DHT node (`client.connection.joined`, as every client joins) and every
 generation (`client.generation`) share it; the head runs in a small thread pool.
 
@@ -40,16 +40,18 @@ from typing import Any
 
 from aiohttp import web
 
-from client import api_embeddings, api_tokenizer, api_tools, chat_page, grammar
-from client.api_requests import CHARS_PER_TOKEN, ApiError, Common, invalid, parse_chat, parse_completion
-from client.api_metrics import ApiMetrics
-from client.api_responses import ResponseBodies
-from client.api_stream import ClientGone, Runs, Writer, api_error
+from client.api import chat_page, embeddings as api_embeddings, tokenizer as api_tokenizer, tools as api_tools
+
+from client import grammar
+from client.api.requests import CHARS_PER_TOKEN, ApiError, Common, invalid, parse_chat, parse_completion
+from client.api.metrics import ApiMetrics
+from client.api.responses import ResponseBodies
+from client.api.stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
 from client.generation import Generation, stop_token_ids
 from client.sampling import Sampling
 from client.connection import joined, require_peers
-from client.swarm_client import SwarmClient
+from client.inference.swarm_client import SwarmClient
 from swarm import http, metrics
 from swarm.errors import SwarmError
 

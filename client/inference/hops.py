@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from client.peer_client import PeerSession
-from client.routing import Hop
+from client.inference.peer_session import PeerSession
+from client.inference.routing import Hop
 from swarm.errors import BadRequest, ProtocolError
 
 IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
@@ -28,7 +28,7 @@ def check_plausible(hop: Hop, x: torch.Tensor, out: torch.Tensor) -> None:
 
 def plausible(x: torch.Tensor, out: torch.Tensor) -> bool:
     """A free sanity check of a hop's output against its input, on every step: finite, and no vector's norm
-    far beyond what blocks can produce. It catches absurd outputs, not subtle ones (`client.verify` does)."""
+    far beyond what blocks can produce. It catches absurd outputs, not subtle ones (`client.inference.verify` does)."""
     if not bool(torch.isfinite(out).all()):
         return False
     return bool((out.float().norm(dim=-1) <= MAX_GROWTH * (x.float().norm(dim=-1) + 1)).all())

@@ -1,5 +1,5 @@
 """Chained steps of an inference session: peers pass activations straight to the next peer of the route
-(docs/protocol.md). A mixin of `InferenceSession` (client/session.py), which owns the links, the history and
+(docs/protocol.md). A mixin of `InferenceSession` (client/inference/session.py), which owns the links, the history and
 the failover these methods hand failures to.
 
 Every peer still replies its output to the client. Each later hop's step is tagged for the hop before it, so
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from client.hops import IDLE_REOPEN_S, check_plausible
+from client.inference.hops import IDLE_REOPEN_S, check_plausible
 from swarm.net import wire
 from swarm.errors import BadRequest, ChainMismatch, StepTimeout, SwarmError
 from swarm.net.integrity import input_digest

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.api_requests import ApiError, checked_text, invalid, parse_messages
+from client.api.requests import ApiError, checked_text, invalid, parse_messages
 
 
 def _model(body: dict, model_id: str) -> None:

@@ -1,5 +1,5 @@
 """The OpenAI-shaped JSON bodies `swarm api` answers with: a whole completion, or its stream chunks, the
-usage figures, and log-probabilities in each endpoint's shape. Pure: no HTTP (the gateway in `client/api.py`
+usage figures, and log-probabilities in each endpoint's shape. Pure: no HTTP (the gateway in `client/api/gateway.py`
 sends them).
 
 A request of several prompts (completions) runs one generation per prompt; choice `j` of prompt `i` has
@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from client.api_tools import Tools, ToolStream, find_calls, openai_calls
+from client.api.tools import Tools, ToolStream, find_calls, openai_calls
 from client.generation import Delta, Generation
 from client.sampling import TokenLogprob
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from client.encodings import REPLAY_ENCODING
-from client.failures import reason_of
-from client.peer_client import PeerSession
-from client.routing import Hop
+from client.inference.encodings import REPLAY_ENCODING
+from client.inference.failures import reason_of
+from client.inference.peer_session import PeerSession
+from client.inference.routing import Hop
 from swarm.errors import SwarmError
 from swarm.span import Span
 from swarm.net.transport import describe_peer

@@ -3,11 +3,11 @@
 `SwarmClient` reads announcements from the DHT (at most every `refresh_interval`, or sooner after a
 failure), pings the peers it has not measured, keeps the measured figures, the bans and the hops its
 own sessions hold at each peer (their load), and answers `route(span)` with the cheapest chain
-(`client.routing`); `wait_for_route` also waits, bounded, for blocks with no live peer to be served
-again. Sessions (`client.session`) and stateless forwards use it; neither talks to the DHT itself.
+(`client.inference.routing`); `wait_for_route` also waits, bounded, for blocks with no live peer to be served
+again. Sessions (`client.inference.session`) and stateless forwards use it; neither talks to the DHT itself.
 
 Records cost nothing to forge in numbers (each identity signs its own), so a route is made of peers
-that answered this client wherever one serves the block (`client.routing`), and `route` pings the
+that answered this client wherever one serves the block (`client.inference.routing`), and `route` pings the
 unproven candidates of the blocks it lacks before it settles: in random order (their claims and sequence
 numbers are theirs to choose), `MAX_PINGS` at a time, at most `PING_ROUNDS` times, each round at most
 `ping_timeout`. A record with nothing behind it is banned by its failed ping and never used while a
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from client import peer_client
+from client.inference import peer_session
 from client.config import ClientConfig
-from client.encodings import Encodings, choose_encodings
-from client.failures import FailurePolicy, reason_of
-from client.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
+from client.inference.encodings import Encodings, choose_encodings
+from client.inference.failures import FailurePolicy, reason_of
+from client.inference.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
 from swarm.net import discovery, view
 from swarm.errors import NoRoute, SwarmError
@@ -117,7 +117,7 @@ class SwarmClient:
         """Round trip of an info call in ms, recorded; on failure the peer is banned and None returned."""
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(peer_client.info(self.node, peer, timeout=self.config.ping_timeout),
+            await asyncio.wait_for(peer_session.info(self.node, peer, timeout=self.config.ping_timeout),
                                    self.config.ping_timeout)
         except (asyncio.TimeoutError, SwarmError) as e:
             self.ban(peer, reason_of(e))
@@ -293,7 +293,7 @@ class SwarmClient:
             hop = hops[i]
             try:
                 x_next = await asyncio.wait_for(
-                    peer_client.forward(self.node, hop.peer, self.model_id, hop.span, x, attention_mask,
+                    peer_session.forward(self.node, hop.peer, self.model_id, hop.span, x, attention_mask,
                                         timeout=self.config.step_timeout),
                     self.deadline(hop, x.shape[0] * x.shape[1]))
             except (asyncio.TimeoutError, SwarmError) as e:
@@ -324,17 +324,17 @@ class SwarmClient:
         return min(self.config.open_timeout, self.config.min_deadline + 1.0 + self.config.deadline_factor * delay / 1e3)
 
     async def open_session(self, hop: Hop, *, max_length: int, batch: int,
-                           encodings: tuple[str, ...]) -> peer_client.PeerSession:
+                           encodings: tuple[str, ...]) -> peer_session.PeerSession:
         """A session at the hop's peer; what it says of its free cache is remembered."""
         # the session's own timeout bounds its steps; each step's real deadline is the caller's
         session = await asyncio.wait_for(
-            peer_client.PeerSession.open(self.node, hop.peer, self.model_id, hop.span, max_length=max_length,
+            peer_session.PeerSession.open(self.node, hop.peer, self.model_id, hop.span, max_length=max_length,
                                          batch=batch, encodings=encodings, timeout=self.config.step_timeout),
             self.open_deadline(hop.peer))
         self.measurements.cache(hop.peer, session.opened.cache_tokens_left)
         return session
 
-    async def close_session(self, peer: str, session: peer_client.PeerSession) -> None:
+    async def close_session(self, peer: str, session: peer_session.PeerSession) -> None:
         self.measurements.forget_cache(peer)  # our reservation there ends
         try:
             await asyncio.wait_for(session.close(), 2.0)
@@ -344,7 +344,7 @@ class SwarmClient:
     async def answers(self, peer: str, timeout: float) -> bool:
         """Whether `peer` answers an info call within `timeout` seconds."""
         try:
-            await asyncio.wait_for(peer_client.info(self.node, peer), timeout)
+            await asyncio.wait_for(peer_session.info(self.node, peer), timeout)
             return True
         except (asyncio.TimeoutError, SwarmError):
             return False

@@ -1,6 +1,6 @@
 """Pipelined prompt steps of an inference session: a long prompt goes through the route in chunks, so that
 while one peer runs chunk c, the peer before it already runs chunk c + 1. A mixin of `InferenceSession`
-(client/session.py), which owns the links, the history and the failover.
+(client/inference/session.py), which owns the links, the history and the failover.
 
 Without it a prompt of T tokens costs the sum of every hop's time for T tokens; in chunks, the hops overlap,
 and the time approaches the slowest hop's plus one chunk through the others. Chunks are relayed: the client
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from client.hops import check_plausible
+from client.inference.hops import check_plausible
 from swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ class _Absent:
 
     def __new__(cls, *args, **kwargs):
         raise ImportError(f"{cls.__module__}.{cls.__qualname__} is not loaded in the light client "
-                          "(see client/libp2p_host.py)")
+                          "(see client/light/host.py)")
 
 
 def _shell(name: str, path: str) -> None:
@@ -54,7 +54,7 @@ def _shell(name: str, path: str) -> None:
 
 
 def _placeholder(name: str, classes: Sequence[str]) -> None:
-    module = types.ModuleType(name, "placeholder of the light client: never loaded (see client/libp2p_host.py)")
+    module = types.ModuleType(name, "placeholder of the light client: never loaded (see client/light/host.py)")
     for cls in classes:
         setattr(module, cls, type(cls, (_Absent,), {"__module__": name}))
     sys.modules[name] = module

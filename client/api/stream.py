@@ -1,5 +1,5 @@
 """The gateway's generations in flight: the generations of one request run at once (`Runs`), and a response
-streamed as server-sent events (`Writer`). Async; no HTTP routing (that is `client/api.py`)."""
+streamed as server-sent events (`Writer`). Async; no HTTP routing (that is `client/api/gateway.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from client.api_requests import ApiError
+from client.api.requests import ApiError
 from client.generation import Delta, Generation
 from swarm.errors import NoRoute, SwarmError
 
