@@ -28,6 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from client.checked import checked_generate
 from client.config import ClientConfig
 from client.connection import SwarmConnection
+from client.inference.forward import forward
 from client.inference.routing import Hop
 from client.inference.session import Failover, InferenceSession
 from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
@@ -250,7 +251,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                                           cache=cache)
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         hidden = self.head.embed(input_ids, 0, mask)
-        out = self.connection.run(self.connection.client.forward(hidden, mask))
+        out = self.connection.run(forward(self.connection.client, hidden, mask))
         return CausalLMOutputWithPast(logits=self.head.logits(kept_positions(out, logits_to_keep)))
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):

@@ -1,6 +1,6 @@
 """The client's one failure policy: when a hop fails, who is blamed, banned, and whether to go on. Sync.
 
-Sessions (`client.inference.session`) and stateless forwards (`SwarmClient.forward`) both report a failed hop
+Sessions (`client.inference.session`) and stateless forwards (`client.inference.forward`) both report a failed hop
 here and get one answer: raise (the request itself is wrong, or too many peers failed in a row) or
 reroute the hop's span (the caller then replaces the hop and, in a session, replays its history).
 

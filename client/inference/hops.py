@@ -1,6 +1,6 @@
-"""Per-hop bookkeeping of an inference session: its links (a hop of the route and the session there),
-what it sent into each hop (for exact replay onto a new peer) and whether a hop's peer became slow.
-Synchronous, no network."""
+"""Per-hop pieces of a session's route (`client.inference.route`): a link (a hop of the route and the
+session there), what was sent into a hop (for exact replay onto a new peer), whether a hop's peer became
+slow, and the free sanity check of a hop's output. Synchronous, no network."""
 
 from __future__ import annotations
 

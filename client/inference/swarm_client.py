@@ -4,7 +4,8 @@
 failure), pings the peers it has not measured, keeps the measured figures, the bans and the hops its
 own sessions hold at each peer (their load), and answers `route(span)` with the cheapest chain
 (`client.inference.routing`); `wait_for_route` also waits, bounded, for blocks with no live peer to be served
-again. Sessions (`client.inference.session`) and stateless forwards use it; neither talks to the DHT itself.
+again. Sessions (`client.inference.session`) and stateless forwards (`client.inference.forward`) use it; neither
+talks to the DHT itself.
 
 Records cost nothing to forge in numbers (each identity signs its own), so a route is made of peers
 that answered this client wherever one serves the block (`client.inference.routing`), and `route` pings the
@@ -30,6 +31,7 @@ from client.inference import peer_session
 from client.config import ClientConfig
 from client.inference.encodings import Encodings, choose_encodings
 from client.inference.failures import FailurePolicy, reason_of
+from client.inference.forward import forward
 from client.inference.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
 from swarm.net import discovery, view
@@ -285,24 +287,8 @@ class SwarmClient:
     # ---- stateless forward ----
 
     async def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Whole sequences through every block, hop by hop, rerouting a failed hop's span."""
-        hops = await self.route()
-        x, i = hidden.float(), 0
-        attempts = self.failures.attempts(self.model_id)
-        while i < len(hops):
-            hop = hops[i]
-            try:
-                x_next = await asyncio.wait_for(
-                    peer_session.forward(self.node, hop.peer, self.model_id, hop.span, x, attention_mask,
-                                        timeout=self.config.step_timeout),
-                    self.deadline(hop, x.shape[0] * x.shape[1]))
-            except (asyncio.TimeoutError, SwarmError) as e:
-                attempts.failed(hop.peer, hop.span, e)
-                hops[i:i + 1] = await self.route(hop.span)
-                continue
-            self.succeeded(hop.peer)
-            x, i = x_next, i + 1
-        return x
+        """Whole sequences through every block (`client.inference.forward`)."""
+        return await forward(self, hidden, attention_mask)
 
     # ---- what sessions ask of the client: peers' sessions, figures, failures ----
 

@@ -111,7 +111,7 @@ def test_a_session_waiting_for_blocks_says_so_and_waiting_is_not_a_retry():
     async def run():
         client, notices = view(wait_for_blocks=0.3, max_retries=1), []
         session = InferenceSession(client, 16, on_wait=notices.append)
-        session.batch, session.links = 1, session._adopt([Hop("a", Span(0, 6))])
+        session.live.batch, session.live.links = 1, session.live.adopt([Hop("a", Span(0, 6))])
         seen = []
 
         async def route(span=None, **kw):
@@ -136,8 +136,8 @@ def test_load_of_concurrent_sessions_is_counted_and_released():
         client = view(route_seed=1)
         sessions = [InferenceSession(client, 16) for _ in range(8)]
         for session in sessions:
-            session.batch = 1
-            session.links = session._adopt(client.find(Span(0, 6), 16, rng=session.rng))
+            session.live.batch = 1
+            session.live.links = session.live.adopt(client.find(Span(0, 6), 16, rng=session.rng))
         counted = dict(client.own_load)
         for session in sessions:
             await session.close()
@@ -161,7 +161,7 @@ def test_a_route_much_slower_than_announced_is_switched_once():
     for peer in ("a", "b"):
         client.measurements.ping(peer, 1.0)
     session = InferenceSession(client, 16)
-    session.batch, session.links = 1, session._adopt(client.find(Span(0, 6), 16))
+    session.live.batch, session.live.links = 1, session.live.adopt(client.find(Span(0, 6), 16))
     assert session.route == [Hop("a", Span(0, 6))]
     assumed = session.links[0].assumed_ms
     assert assumed == pytest.approx(1.0 + 6 * 1000 / (100 * 6))  # delay + 6 blocks at the announced speed
@@ -180,7 +180,7 @@ def test_no_switch_without_a_clear_gain_or_a_slow_hop():
     for peer in ("a", "b"):  # proven: their claims count
         client.measurements.ping(peer, 1.0)
     session = InferenceSession(client, 16)
-    session.batch, session.links = 1, session._adopt(client.find(Span(0, 6), 16))
+    session.live.batch, session.live.links = 1, session.live.adopt(client.find(Span(0, 6), 16))
     assumed = session.links[0].assumed_ms
     for _ in range(REROUTE_AFTER):
         session.links[0].detector.observe(1.5 * assumed, 1)
@@ -240,11 +240,12 @@ def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
 def test_a_route_that_visits_a_peer_twice_is_relayed_not_chained():
     """A route rebuilt around a failure can pass the same peer twice; peers refuse such a chain, so the
     session relays those hops itself."""
-    from client.inference.session import Link
+    from client.inference.chaining import can_chain
+    from client.inference.hops import Link
 
     session = InferenceSession(view(), 16)
     opened = SimpleNamespace()  # a session that is open (chaining only checks that there is one)
-    session.links = [Link(Hop("a", Span(0, 2)), session=opened), Link(Hop("b", Span(2, 4)), session=opened),
+    session.live.links = [Link(Hop("a", Span(0, 2)), session=opened), Link(Hop("b", Span(2, 4)), session=opened),
                      Link(Hop("a", Span(4, 6)), session=opened)]
-    assert not session._can_chain(0)
-    assert session._can_chain(1)  # from the second hop on, each peer once
+    assert not can_chain(session.live, 0)
+    assert can_chain(session.live, 1)  # from the second hop on, each peer once
