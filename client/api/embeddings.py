@@ -1,7 +1,7 @@
 """`POST /v1/embeddings`: text embeddings from the swarm's model, in OpenAI's shapes.
 
 Each input (a string, token ids, or a list of either) runs through every block once, as a stateless
-forward (`SwarmClient.forward`); its embedding is the mean over its tokens of the last layer's hidden
+forward (`client.inference.forward`); its embedding is the mean over its tokens of the last layer's hidden
 states after the model's final norm (what the LM head reads), scaled to unit length, as OpenAI's embeddings
 are. Mean pooling suits a causal LM that was not trained for embeddings (its last token alone sees the whole
 text, but carries what comes next rather than what the text means); a model trained for last-token pooling
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from client.api.requests import ApiError, invalid, texts_or_ids
+from client.inference.forward import forward
 
 MAX_INPUTS = 2048  # as OpenAI's
 CONCURRENT = 4  # forwards of one request in flight at once
@@ -57,7 +58,7 @@ async def embed_all(client, head, executor, ids: list[list[int]]) -> list[torch.
     async def one(tokens: list[int]) -> torch.Tensor:
         async with gate:
             hidden = await loop.run_in_executor(executor, head.embed, torch.tensor([tokens]), 0)
-            out = await client.forward(hidden)
+            out = await forward(client, hidden)
             return await loop.run_in_executor(executor, pooled, head, out)
 
     tasks = [asyncio.ensure_future(one(t)) for t in ids]

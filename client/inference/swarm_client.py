@@ -25,13 +25,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-import torch
-
 from client.inference import peer_session
 from client.config import ClientConfig
 from client.inference.encodings import Encodings, choose_encodings
 from client.inference.failures import FailurePolicy, reason_of
-from client.inference.forward import forward
 from client.inference.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
 from swarm.net import discovery, view
@@ -283,12 +280,6 @@ class SwarmClient:
         """Seconds a step of `tokens` through `hop` may take before it counts as a failure."""
         expected_s = self.measurements.expected_ms(self.offer(hop.peer), len(hop.span), tokens) / 1e3
         return min(self.config.step_timeout, self.config.min_deadline + self.config.deadline_factor * expected_s)
-
-    # ---- stateless forward ----
-
-    async def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Whole sequences through every block (`client.inference.forward`)."""
-        return await forward(self, hidden, attention_mask)
 
     # ---- what sessions ask of the client: peers' sessions, figures, failures ----
 

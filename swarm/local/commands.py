@@ -1,4 +1,4 @@
-"""Subcommands of the shared core. Light at import: the work is imported when a command runs."""
+"""`swarm demo-model`: the local wing's command. Light at import: the work is imported when it runs."""
 
 from __future__ import annotations
 
