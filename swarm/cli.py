@@ -42,8 +42,13 @@ def cache_home() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.verbose:
+        # Our own log lines say what loads and how long it took; transformers' per-tensor progress bars
+        # ("Loading weights") only add noise. Set before anything imports it; children inherit it.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        # a command may ask for a quieter default (`swarm demo` shows only its own lines): its `log_level`
+        level=logging.DEBUG if args.verbose else getattr(args, "log_level", logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
@@ -58,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmError as e:  # boundary: typed errors become a one-line message, not a traceback
         print(f"swarm {args.command}: {e}", file=sys.stderr)
         return 1
-
-
 
 
 if __name__ == "__main__":
