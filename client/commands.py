@@ -87,12 +87,13 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
                    help=f"the peers' dtype (default: {DEMO_DTYPE}; see docs/operations.md)")
     p.add_argument("--quant", default=DEMO_QUANT, choices=["none", "int8", "nf4"],
                    help=f"the peers' weight format (default: {DEMO_QUANT})")
-    # SUPPRESS: `swarm -v demo` keeps its -v; `swarm demo -v` says the same
+    # SUPPRESS: `swarm -v demo` keeps its -v; `swarm demo -v` says the same. Without it the demo logs errors
+    # only: a reroute around a slow peer is the swarm at work, not news in the middle of the answer.
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="log every message, debug ones too (default: only the swarm coming up, the route, the answer "
                    "and its speed)")
     _generation_options(p, 96, 16, "draft up to K tokens per step by prompt lookup (default: 16; 0: off)")
-    p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args), log_level=logging.WARNING)
+    p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args), log_level=logging.ERROR)
 
 
 def _load(name: str, module: str = "client.cli"):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 def test_the_demo_is_quiet_unless_verbose_wherever_the_flag_stands():
     parser = build_parser()
     quiet = parser.parse_args(["demo"])
-    assert not quiet.verbose and quiet.log_level == logging.WARNING
+    assert not quiet.verbose and quiet.log_level == logging.ERROR
     assert parser.parse_args(["-v", "demo"]).verbose and parser.parse_args(["demo", "-v"]).verbose
     assert parser.parse_args(["demo", "--verbose"]).verbose
     assert not hasattr(parser.parse_args(["bootstrap"]), "log_level")  # other commands log as before
