@@ -2,26 +2,33 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two stamps: the demo needs the package alone; the tests add the `test` and `light` extras on top.
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test install clean browser
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
 # torch is pinned and installed first: a CPU build of 2.13.0 lies on these machines' disks, while an
 # unpinned torch would pull a multi-gigabyte CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,light]'
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) -e '.[test,light]'
+	touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/swarm demo
 
-test: $(STAMP) browser
+test: $(TEST_STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The health page's browser test drives Debian's Chromium (never a downloaded browser). As root, install

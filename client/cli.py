@@ -21,6 +21,16 @@ def model_path(args: argparse.Namespace) -> Path:
     return prepare_demo_model(default_demo_dir(args.cache_home))
 
 
+def prompt_after_peers(args: argparse.Namespace) -> None:
+    """`swarm generate --initial-peers ADDR "prompt"`: the peers' list (one or more values) took the prompt
+    too; a multiaddr starts with "/", a prompt that follows them is given back. No prompt: a ConfigError."""
+    peers = list(args.initial_peers)
+    if args.prompt is None and peers and not peers[-1].startswith("/"):
+        args.prompt, args.initial_peers = peers[-1], peers[:-1]
+    if args.prompt is None:
+        raise ConfigError("give the text to continue (PROMPT)")
+
+
 def generation_kwargs(args: argparse.Namespace, tokenizer) -> dict:
     """transformers `generate` arguments from the command line: greedy unless a temperature is given."""
     if args.max_new_tokens < 1:
@@ -167,6 +177,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
 def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    prompt_after_peers(args)
     path = model_path(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with open_model(args, path, "generate") as model:

@@ -4,6 +4,7 @@ transformers, the network) is imported when a command runs."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 DEFAULT_PROMPT = "Give three tips for staying healthy."
@@ -31,7 +32,9 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text through a swarm, streamed to stdout",
                        description="Continue PROMPT with a model whose blocks run in the swarm; text streams "
                        "to stdout as it is generated, the route and speed go to stderr.")
-    p.add_argument("prompt", help="the text to continue")
+    # optional to the parser only: after `--initial-peers ADDR` the prompt is taken as one more peer, and
+    # `prompt_after_peers` gives it back (the command refuses a missing prompt)
+    p.add_argument("prompt", nargs="?", help="the text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _client_options(p)
     _generation_options(p, 64, 16, "draft up to K tokens per step by prompt lookup, checked in one step through the "
@@ -84,8 +87,13 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
                    help=f"the peers' dtype (default: {DEMO_DTYPE}; see docs/operations.md)")
     p.add_argument("--quant", default=DEMO_QUANT, choices=["none", "int8", "nf4"],
                    help=f"the peers' weight format (default: {DEMO_QUANT})")
+    # SUPPRESS: `swarm -v demo` keeps its -v; `swarm demo -v` says the same. Without it the demo logs errors
+    # only: a reroute around a slow peer is the swarm at work, not news in the middle of the answer.
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log every message, debug ones too (default: only the swarm coming up, the route, the answer "
+                   "and its speed)")
     _generation_options(p, 96, 16, "draft up to K tokens per step by prompt lookup (default: 16; 0: off)")
-    p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args))
+    p.set_defaults(run=lambda args: _load("run_demo", "client.demo")(args), log_level=logging.ERROR)
 
 
 def _load(name: str, module: str = "client.cli"):

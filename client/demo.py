@@ -9,6 +9,7 @@ processes stay in a temporary directory, shown if something fails.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -16,10 +17,9 @@ import time
 from pathlib import Path
 
 from client.cli import describe_route, model_path, stream_answer
-from swarm.model.checkpoint import Checkpoint
 from swarm.errors import ConfigError
 from swarm.local.launch import LocalSwarm
-from swarm.span import split_evenly
+from swarm.span import Span, split_evenly
 
 DEMO_CACHE_TOKENS = 4096
 
@@ -35,34 +35,68 @@ def threads_per_peer(peers: int) -> int:
     return max(1, (os.cpu_count() or 1) // peers)
 
 
-def start_swarm(net: LocalSwarm, path: Path, peers: int, dtype: str, model_id: str, quant: str = "none") -> None:
-    started = time.monotonic()
+def num_blocks(path: Path) -> int:
+    """The checkpoint's number of blocks, from its config.json as is, so that the peers start while this
+    process still imports torch and transformers; transformers reads the configs that keep it elsewhere."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        for part in (config, config.get("text_config") or {}):
+            if isinstance(part.get("num_hidden_layers"), int):
+                return part["num_hidden_layers"]
+    except (OSError, ValueError, AttributeError):
+        pass  # Checkpoint says what is wrong
+    from swarm.model.checkpoint import Checkpoint
+
+    return Checkpoint(path).num_blocks
+
+
+def launch_swarm(net: LocalSwarm, path: Path, peers: int, dtype: str, model_id: str, quant: str = "none",
+                 capacity_cache: Path | None = None) -> list[Span]:
+    """Start a bootstrap (waiting for its address) and `peers` peers (not waiting for them); their spans.
+    `capacity_cache`: where the peers keep the block cost they measure, so later runs measure it no more."""
     net.start_bootstrap()
-    spans = split_evenly(Checkpoint(path).num_blocks, peers)
+    spans = split_evenly(num_blocks(path), peers)
+    cache = ("--capacity-cache", str(capacity_cache)) if capacity_cache is not None else ()
     for i, span in enumerate(spans):
         net.start_peer(f"peer{i}", path, "--blocks", f"{span.start}:{span.end}", "--model-id", model_id,
                        "--dtype", dtype, "--quant", quant, "--threads", str(threads_per_peer(len(spans))),
-                       "--cache-tokens", str(DEMO_CACHE_TOKENS), wait=False)
+                       "--cache-tokens", str(DEMO_CACHE_TOKENS), *cache, wait=False)
+    return spans
+
+
+def wait_swarm(net: LocalSwarm, spans: list[Span], started: float) -> None:
     for i in range(len(spans)):
         net.wait_serving(net.procs[f"peer{i}"], timeout=300)
-    log(f"swarm up in {time.monotonic() - started:.1f} s: a bootstrap and {peers} peers serving "
+    log(f"swarm up in {time.monotonic() - started:.1f} s: a bootstrap and {len(spans)} peers serving "
         f"{', '.join(str(s) for s in spans)}")
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+def start_swarm(net: LocalSwarm, path: Path, peers: int, dtype: str, model_id: str, quant: str = "none",
+                capacity_cache: Path | None = None) -> None:
+    started = time.monotonic()
+    wait_swarm(net, launch_swarm(net, path, peers, dtype, model_id, quant, capacity_cache), started)
 
-    from client.model import DistributedModelForCausalLM
+
+def run_demo(args: argparse.Namespace) -> int:
     from swarm.net.records import default_model_id
 
     path = model_path(args)
     if args.peers < 1:
         raise ConfigError("--peers must be positive")
     model_id = default_model_id(path)
-    with tempfile.TemporaryDirectory(prefix="swarm-demo-") as root, LocalSwarm(Path(root)) as net:
+    with tempfile.TemporaryDirectory(prefix="swarm-demo-") as root, \
+            LocalSwarm(Path(root), verbose=args.verbose) as net:
         try:
-            start_swarm(net, path, args.peers, args.dtype, model_id, args.quant)
+            started = time.monotonic()
+            spans = launch_swarm(net, path, args.peers, args.dtype, model_id, args.quant,
+                                 capacity_cache=Path(args.cache_home) / "capacity.json")
+            # while the peers start: the client's own imports and tokenizer
+            from transformers import AutoTokenizer
+
+            from client.model import DistributedModelForCausalLM
+
             tokenizer = AutoTokenizer.from_pretrained(path)
+            wait_swarm(net, spans, started)
             with DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=model_id) as model:
                 log(f"route: {describe_route(model.route())}")
                 print(f"> {args.prompt}", flush=True)
@@ -76,5 +110,6 @@ def run_demo(args: argparse.Namespace) -> int:
                 log(f"--- last lines of {proc.name}'s log ---\n" + "\n".join(proc.text().splitlines()[-15:]))
             raise
         finally:
-            log("stopping the swarm")
+            if args.verbose:
+                log("stopping the swarm")
     return 0

@@ -42,11 +42,12 @@ class PeerConfig:
                                    "each start)")
     device: str = option("auto", help="where the blocks compute: auto (a CUDA GPU if present, else Apple's MPS, "
                          "else the CPU), cpu, cuda, cuda:N or mps")
-    dtype: str = option("float32", help="dtype of weights and cache: float32 (exact, the default), bfloat16, "
-                        "float16, or auto (bfloat16 on GPUs that compute it, else float16; on CPUs bfloat16 where "
-                        "the CPU computes it natively, else float32)")
+    dtype: str | None = option(None, help="dtype of weights and cache: float32 (exact), bfloat16, float16, or auto "
+                               "(bfloat16 on GPUs that compute it, else float16; on CPUs bfloat16 where the CPU "
+                               "computes it natively, else float32) (default: float32; with --quant, the 16-bit "
+                               "type its weights compute in)")
     quant: str = option("none", help="weight format of the served layers' linear weights: none, int8 (CUDA: "
-                        "bitsandbytes; CPU: int8 linears with float32 around them) or nf4 (CUDA only)")
+                        "bitsandbytes; CPU: int8 linears computing in bfloat16) or nf4 (CUDA only)")
     threads: int | None = option(None, help="compute threads (default: torch's, one per core); peers sharing a "
                                  "machine do better with a share of its cores each")
     max_sessions: int = option(64, help="concurrent inference sessions at most")
@@ -96,7 +97,7 @@ class PeerConfig:
         check_positive(self, positive, tuple(optional))
         if not 0 < self.client_share <= 1:
             raise ConfigError(f"--client-share must be in (0, 1], not {self.client_share}")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quant not in QUANTS:
             raise ConfigError(f"--quant must be one of {', '.join(QUANTS)}, not {self.quant!r}")

@@ -77,8 +77,8 @@ def memory_blocks(ckpt: Checkpoint, config: PeerConfig, precision: Precision | N
     the peer's format, so a quantized peer holds proportionally more blocks."""
     if config.num_blocks is not None:
         return max(1, min(config.num_blocks, ckpt.num_blocks))
-    precision = precision or Precision(torch.device("cpu"), config.dtype if config.dtype != "auto" else "float32",
-                                       config.quant)
+    named = config.dtype if config.dtype not in (None, "auto") else "float32"
+    precision = precision or Precision(torch.device("cpu"), named, config.quant)
     dtype = parse_dtype(precision.dtype)
     budget = config.memory_budget or int(0.8 * (precision.memory() or available_memory()))
     block_bytes = max(ckpt.block_bytes(b, dtype, precision.quant) for b in range(ckpt.num_blocks))

@@ -78,8 +78,10 @@ def pid_alive(pid: int) -> bool:
 
 
 class LocalSwarm:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, verbose: bool = False):
+        """`verbose`: every process logs debug messages too (`swarm -v`)."""
         self.root = root
+        self.verbose = verbose
         self.root.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.bootstrap_addrs: list[str] = []
@@ -90,8 +92,8 @@ class LocalSwarm:
         log = self.root / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_HOME": str(self.root / "home"), **(env or {})}
         with open(log, "wb") as out:
-            popen = subprocess.Popen([sys.executable, *program, *args], stdout=out, stderr=subprocess.STDOUT,
-                                     env=env)
+            command = [sys.executable, *program, *(["-v"] if self.verbose else []), *args]
+            popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         proc = Proc(name, popen, log)
         self.procs[name] = proc
         return proc
@@ -182,7 +184,13 @@ class LocalSwarm:
             return proc.popen.wait(10)
 
     def stop_all(self) -> None:
-        for name in reversed(list(self.procs)):
+        """Stop every process: all but the first started at once (each says goodbye to the swarm while the
+        first, the bootstrap, still carries it), then the first."""
+        names = list(self.procs)
+        for name in names[:0:-1]:
+            if self.procs[name].alive():
+                self.procs[name].popen.send_signal(signal.SIGTERM)
+        for name in names[:0:-1] + names[:1]:
             self.stop(name)
         for group in self.cgroups:
             with contextlib.suppress(OSError):

@@ -6,6 +6,8 @@ measured and why the defaults are what they are: docs/operations.md ("Devices an
 
 - device `auto`: a CUDA GPU if torch sees one, else Apple's MPS, else the CPU. Naming a device that is
   not there is a one-line `ConfigError`, never a traceback.
+- dtype not chosen (None): float32, or `auto` with quantized weights (they compute in 16 bits); one chosen
+  that the weight format cannot compute in is refused, naming the dtypes that work.
 - dtype `auto`: bfloat16 on GPUs that compute it, float16 on older GPUs and MPS; on CPUs bfloat16 where
   the CPU computes it natively (avx512_bf16 or AMX), float32 elsewhere.
 - quant `int8`: on CUDA, bitsandbytes' `Linear8bitLt` (LLM.int8()); on the CPU, `Int8Linear`: int8
@@ -98,6 +100,12 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return "bfloat16" if cpu_computes_bfloat16() else "float32"
 
 
+def default_dtype(quant: str) -> str:
+    """The dtype when none was chosen: float32 (exactly transformers' numbers), or, for quantized weights (which
+    compute in 16 bits), `auto`'s 16-bit choice."""
+    return "float32" if quant == "none" else "auto"
+
+
 def check_quant(quant: str, device: torch.device, dtype: str) -> None:
     if quant not in QUANTS:
         raise ConfigError(f"--quant must be one of {', '.join(QUANTS)}, not {quant!r}")
@@ -128,8 +136,11 @@ class Precision:
     quant: str = "none"
 
     @classmethod
-    def of(cls, device: str = "cpu", dtype: str = "float32", quant: str = "none") -> Precision:
+    def of(cls, device: str = "cpu", dtype: str | None = "float32", quant: str = "none") -> Precision:
+        """`dtype` None: not chosen (`default_dtype`); a dtype chosen that `quant` cannot compute in is refused."""
         where = resolve_device(device)
+        if dtype is None:
+            dtype = default_dtype(quant)
         if dtype == "auto" and quant == "int8" and where.type == "cpu":
             dtype = "bfloat16"  # int8 weights computing in bfloat16: the CPU's int8 format
         chosen = resolve_dtype(dtype, where)

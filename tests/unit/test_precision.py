@@ -155,3 +155,39 @@ def test_a_quantized_peer_takes_proportionally_more_blocks_in_the_same_budget(ti
               (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"))}
     assert counts[("float32", "none")] == 2  # two blocks and the cache's share fit, not three
     assert counts[("bfloat16", "none")] >= 5 and counts[("bfloat16", "int8")] == 6  # capped at the model's 6
+
+
+def test_quantized_weights_without_a_chosen_dtype_get_the_16_bit_type_they_compute_in(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for computes_bfloat16 in (True, False):  # int8 on the CPU computes in bfloat16, native or not
+        monkeypatch.setattr(precision, "cpu_computes_bfloat16", lambda: computes_bfloat16)
+        assert Precision.of("cpu", None, "int8") == Precision(CPU, "bfloat16", "int8")
+    assert Precision.of("cpu", None, "none") == Precision(CPU, "float32", "none")  # unquantized: exact float32
+    with pytest.raises(ConfigError, match="nf4 needs CUDA"):  # no dtype makes nf4 work on the CPU
+        Precision.of("cpu", None, "nf4")
+
+
+def test_a_chosen_dtype_that_the_weights_cannot_compute_in_is_still_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="use --dtype auto, bfloat16 or float16"):
+        Precision.of("cpu", "float32", "int8")
+    assert Precision.of("cpu", "float16", "int8") == Precision(CPU, "float16", "int8")
+
+
+def test_quantized_weights_on_cuda_without_a_chosen_dtype_compute_in_its_16_bit_type(monkeypatch):
+    monkeypatch.setattr(precision, "resolve_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # bitsandbytes "installed"
+    assert Precision.of("cuda", None, "nf4") == Precision(torch.device("cuda", 0), "float16", "nf4")
+    with pytest.raises(ConfigError, match="computes in 16 bits"):
+        Precision.of("cuda", "float32", "int8")
+
+
+def test_peer_config_leaves_the_dtype_unchosen_by_default():
+    from pathlib import Path
+
+    from peer.config import PeerConfig
+
+    assert PeerConfig(model=Path("m")).dtype is None and PeerConfig(model=Path("m"), quant="int8").dtype is None
+    with pytest.raises(ConfigError, match="--dtype"):
+        PeerConfig(model=Path("m"), dtype="float64")
