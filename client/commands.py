@@ -104,4 +104,4 @@ def register_api(sub: argparse._SubParsersAction) -> None:
                        "Point any OpenAI client at http://HOST:PORT/v1.")
     _client_options(p)
     add_options(p, ApiConfig)
-    p.set_defaults(run=lambda args: _load("run_api", "client.api")(args))
+    p.set_defaults(run=lambda args: _load("run_api", "client.api.gateway")(args))
