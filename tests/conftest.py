@@ -10,7 +10,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # for tests' own helper modules (tiny_models, ...)
 
+import lifetimes  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    lifetimes.collected(items)  # trylast: the order and selection the run will have
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        lifetimes.finished(item.nodeid)
 
 
 @pytest.fixture(scope="session")
