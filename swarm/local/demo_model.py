@@ -51,6 +51,11 @@ def default_demo_dir(cache_home: str) -> Path:
     return Path(cache_home) / "models" / "smollm2-135m-instruct"
 
 
+def is_prepared(directory: Path) -> bool:
+    """Whether `directory` holds the verified demo checkpoint already (cheap: reads the marker only)."""
+    return _is_complete(Path(directory).expanduser().absolute())
+
+
 def prepare_demo_model(directory: Path) -> Path:
     """Return `directory` holding the verified demo checkpoint, building it first if needed."""
     directory = Path(directory).expanduser().absolute()
