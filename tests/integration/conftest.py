@@ -1,13 +1,17 @@
-"""Integration fixtures: one real swarm (bootstrap + three peers on a tiny llama checkpoint) per test
-session, and a client node on a background event loop."""
+"""Integration fixtures: one real swarm (bootstrap + three peers on a tiny llama checkpoint) and one of the
+demo model per test session, each stopped once the last test that uses it is done, and a client node on
+a background event loop."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from client.loop import LoopThread
 from swarm.model.checkpoint import Checkpoint
+from lifetimes import release_after_last_use
 from swarm_harness import CACHE_TOKENS, PEER_OPTIONS, LocalSwarm, client_node
 
 
@@ -40,6 +44,7 @@ def swarm(tmp_path_factory, tiny_llama):
         budget = str(two_block_budget(tiny_llama))
         for i in range(3):
             net.start_peer(f"peer{i}", tiny_llama, "--memory-budget", budget, *PEER_OPTIONS)
+        release_after_last_use("swarm", net.stop_all)
         yield net
     finally:
         net.stop_all()
@@ -54,7 +59,9 @@ def loop():
 @pytest.fixture(scope="session")
 def client(swarm, loop):
     """A client-mode DHT node joined to the swarm, with its own identity."""
-    with client_node(loop, swarm.bootstrap_addrs) as node:
+    with contextlib.ExitStack() as stack:
+        node = stack.enter_context(client_node(loop, swarm.bootstrap_addrs))
+        release_after_last_use("client", stack.close)
         yield node
 
 
@@ -67,6 +74,7 @@ def demo_swarm(tmp_path_factory, demo_model_dir):
     net = LocalSwarm(tmp_path_factory.mktemp("demo-swarm"))
     try:
         start_swarm(net, demo_model_dir, 3, "float32", default_model_id(demo_model_dir))
+        release_after_last_use("demo_swarm", net.stop_all)
         yield net
     finally:
         net.stop_all()
