@@ -13,12 +13,22 @@ from swarm.config import from_args
 from swarm.errors import BadRequest, ConfigError
 
 
-def model_path(args: argparse.Namespace) -> Path:
+def model_path(args: argparse.Namespace) -> Path | str:
+    """--model as given, else the prepared demo model's directory."""
     if args.model is not None:
         return args.model
     from swarm.local.demo_model import default_demo_dir, prepare_demo_model
 
     return prepare_demo_model(default_demo_dir(args.cache_home))
+
+
+def client_weights(args: argparse.Namespace):
+    """--model opened for a client: a directory, or a hub model whose config, tokenizer and head shards
+    are fetched (`swarm.weights.models`)."""
+    from swarm.weights.models import open_weights
+
+    return open_weights(model_path(args), getattr(args, "revision", None), role="client",
+                        model_id=getattr(args, "model_id", None))
 
 
 def prompt_after_peers(args: argparse.Namespace) -> None:
@@ -60,7 +70,7 @@ def generation_kwargs(args: argparse.Namespace, tokenizer) -> dict:
     return {**kwargs, **sampling}
 
 
-def open_model(args: argparse.Namespace, path: Path, tag: str):
+def open_model(args: argparse.Namespace, path, tag: str):
     from client.model import DistributedModelForCausalLM
 
     config = from_args(ClientConfig, args)
@@ -178,9 +188,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     prompt_after_peers(args)
-    path = model_path(args)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    with open_model(args, path, "generate") as model:
+    weights = client_weights(args)
+    tokenizer = AutoTokenizer.from_pretrained(weights.directory)
+    with open_model(args, weights, "generate") as model:
         print(f"[generate] route: {describe_route(model.route())}", file=sys.stderr)
         stats = stream_answer(model, tokenizer, args.prompt, args, chat=args.chat)
     print(file=sys.stderr)
@@ -193,12 +203,12 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    path = model_path(args)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    weights = client_weights(args)
+    tokenizer = AutoTokenizer.from_pretrained(weights.directory)
     if not tokenizer.chat_template:
-        raise ConfigError(f"{path} has no chat template: use `swarm generate` instead")
+        raise ConfigError(f"{weights.ref} has no chat template: use `swarm generate` instead")
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with open_model(args, path, "chat") as model, model.inference_session(max_length=args.max_length) as session:
+    with open_model(args, weights, "chat") as model, model.inference_session(max_length=args.max_length) as session:
         print(f"[chat] route: {describe_route(model.route())}; an empty line ends the chat", file=sys.stderr)
         for _turn in range(10_000):
             try:
@@ -233,17 +243,17 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     from client.connection import SwarmConnection
     from swarm.model.checkpoint import Checkpoint
-    from swarm.net.records import default_model_id
-
     config = from_args(ClientConfig, args)
+    digest = None
     if args.num_blocks is not None:
         if not config.model_id:
             raise ConfigError("--num-blocks needs --model-id")
         model_id, num_blocks = config.model_id, args.num_blocks
     else:
-        path = model_path(args)
-        model_id, num_blocks = config.model_id or default_model_id(path), Checkpoint(path).num_blocks
-    connection = SwarmConnection(model_id, num_blocks, config)
+        weights = client_weights(args)
+        model_id, digest = weights.name, weights.digest
+        num_blocks = Checkpoint(weights.directory, source=weights.source).num_blocks
+    connection = SwarmConnection(model_id, num_blocks, config, digest=digest)
     try:
         peers, uncovered = connection.run(connection.client.status(), timeout=60)
     finally:

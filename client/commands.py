@@ -14,8 +14,9 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     from client.config import ClientConfig
     from swarm.config import add_options
 
-    p.add_argument("--model", type=Path, default=None, help="checkpoint directory: its config, tokenizer and head "
-                   "are read locally, its blocks run in the swarm (default: the prepared demo model)")
+    p.add_argument("--model", default=None, help="the model: a hub repo id (org/name or org/name@revision) or a "
+                   "checkpoint directory; its config, tokenizer and head are read locally, its blocks run in the "
+                   "swarm (default: the prepared demo model)")
     add_options(p, ClientConfig)
 
 

@@ -15,7 +15,9 @@ from swarm.net.messages import ENCODINGS
 @dataclass(frozen=True)
 class ClientConfig:
     initial_peers: tuple[str, ...] = option((), help="multiaddrs of the bootstrap node or any peer of the swarm")
-    model_id: str | None = option(None, help="the model's name in the swarm (default: the checkpoint directory name)")
+    model_id: str | None = option(None, help="the model's name in the swarm (default: the hub repo id; for a "
+                                  "directory, the name its marker gives, else one made of its weights' digest)")
+    revision: str | None = option(None, help="branch, tag or commit of a hub model (default: main)")
     transport: str = option("p2pd", help="how the client reaches the swarm: p2pd (a DHT node on hivemind's "
                             "libp2p daemon) or libp2p (a light client on py-libp2p, pip install "
                             "'swarm-inference[light]': no daemon, records read from peers)")

@@ -47,7 +47,7 @@ def settle_heap(config: ClientConfig) -> None:
 
 @contextlib.asynccontextmanager
 async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
-                 settle: bool = True) -> AsyncIterator[SwarmClient]:
+                 settle: bool = True, digest: str | None = None) -> AsyncIterator[SwarmClient]:
     """A `SwarmClient` for `model_id` over a fresh client-mode node (a new identity), for the block.
     `settle`: run `settle_heap` here (a caller that joins in a thread of its own runs it before)."""
     require_peers(config)
@@ -57,17 +57,17 @@ async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
         from client.light.node import LightNode
 
         async with LightNode(config.initial_peers) as node:
-            yield SwarmClient(node, model_id, num_blocks, config)
+            yield SwarmClient(node, model_id, num_blocks, config, digest)
         return
     async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True) as node:
-        yield SwarmClient(node, model_id, num_blocks, config)
+        yield SwarmClient(node, model_id, num_blocks, config, digest)
 
 
 class SwarmConnection:
     """Joins in the background from the moment it is made (the caller loads the head meanwhile); `client`
     waits for the join to finish and raises what it raised."""
 
-    def __init__(self, model_id: str, num_blocks: int, config: ClientConfig):
+    def __init__(self, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None):
         require_peers(config)
         self.config = config
         self._loop = LoopThread("swarm-client")
@@ -76,7 +76,7 @@ class SwarmConnection:
         self._client: SwarmClient | None = None
         settle_heap(config)  # here, before the caller goes on to load the head
         self._joining = asyncio.run_coroutine_threadsafe(
-            self._stack.enter_async_context(joined(model_id, num_blocks, config, settle=False)), self._loop.loop)
+            self._stack.enter_async_context(joined(model_id, num_blocks, config, settle=False, digest=digest)), self._loop.loop)
         self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self._stack, self._joining)
 
     @property

@@ -78,12 +78,12 @@ def start_swarm(net: LocalSwarm, path: Path, peers: int, dtype: str, model_id: s
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from swarm.net.records import default_model_id
+    from swarm.weights.models import local_model_id
 
     path = model_path(args)
     if args.peers < 1:
         raise ConfigError("--peers must be positive")
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as root, \
             LocalSwarm(Path(root), verbose=args.verbose) as net:
         try:

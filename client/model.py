@@ -35,7 +35,7 @@ from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
 from swarm.errors import BadRequest
 from swarm.model.head import ModelHead
 from swarm.model.precision import Precision
-from swarm.net.records import default_model_id
+from swarm.weights.models import Weights, open_weights
 
 logger = logging.getLogger(__name__)
 
@@ -184,20 +184,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.on_wait: Callable[[str], None] | None = notice_to_stderr
 
     @classmethod
-    def from_pretrained(cls, model: str | Path, initial_peers=(), *, model_id: str | None = None,
-                        dtype: str | None = None, config: ClientConfig | None = None,
+    def from_pretrained(cls, model: str | Path | Weights, initial_peers=(), *, model_id: str | None = None,
+                        revision: str | None = None, dtype: str | None = None, config: ClientConfig | None = None,
                         **options) -> DistributedModelForCausalLM:
-        """`model`: a local checkpoint directory (config and head tensors are read from it; its blocks are
-        not). `model_id`: the model's name in the swarm (default: the directory name, as peers use).
+        """`model`: a hub repo id (`org/name`, `org/name@revision`; only the config, tokenizer files and
+        the head's shards are fetched) or a local checkpoint directory (its config and head tensors are
+        read; its blocks are not). `model_id`: the model's name in the swarm (default: the repo id, or
+        the directory's own name, as peers use). Routes only chain peers serving these exact weights.
         `config` and `options`: settings of `ClientConfig` (deadlines, retries, ...)."""
-        model_config = read_config(model)  # the cheap checks; the family's forward runs in `Checkpoint`
-        given = {"initial_peers": tuple(initial_peers), "model_id": model_id, "dtype": dtype}
+        given = {"initial_peers": tuple(initial_peers), "model_id": model_id, "dtype": dtype, "revision": revision}
         config = dataclasses.replace(config or ClientConfig(), **{k: v for k, v in given.items() if v}, **options)
-        model_id = config.model_id or default_model_id(model)
+        weights = model if isinstance(model, Weights) else \
+            open_weights(model, config.revision, role="client", model_id=config.model_id)
+        model, model_id = weights.directory, weights.name
+        model_config = read_config(model)  # the cheap checks; the family's forward runs in `Checkpoint`
         where = Precision.of(config.device, config.dtype)
-        connection = SwarmConnection(model_id, num_blocks_of(model_config), config)  # joins while the head loads
+        connection = SwarmConnection(model_id, num_blocks_of(model_config), config,  # joins while the head loads
+                                     digest=weights.digest)
         try:
-            ckpt = Checkpoint(model, model_config)
+            ckpt = Checkpoint(model, model_config, source=weights.source)
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
             connection.client  # noqa: B018 - waits for the join, raising its error
             self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)

@@ -41,11 +41,12 @@ class Figures:
 class Announcer:
     """Announces one span at a time (`span`, `state`), and retracts blocks a peer stops serving."""
 
-    def __init__(self, node: Node, identity: Identity, model_id: str, span: Span, num_blocks: int, ttl: float):
+    def __init__(self, node: Node, identity: Identity, model_id: str, span: Span, num_blocks: int, ttl: float,
+                 digest: str | None = None):
         if not 0 < ttl <= records.MAX_TTL - records.CLOCK_SKEW:
             raise ValueError(f"record TTL must be in (0, {records.MAX_TTL - records.CLOCK_SKEW:.0f}] seconds")
         self.node, self.identity, self.model_id, self.span, self.ttl = node, identity, model_id, span, ttl
-        self.num_blocks = num_blocks
+        self.num_blocks, self.digest = num_blocks, digest
         self.seq = 0
         self.state = "joining"
         self.since = time.time()  # when this peer began to claim `span`
@@ -70,7 +71,7 @@ class Announcer:
                                    int(figures.cache_tokens_left), __version__, self._next_seq(), now,
                                    self.num_blocks, figures.sessions, figures.queued, round(self.since, 3),
                                    figures.links or None, figures.max_blocks,
-                                   *(figures.precision or (None, None, None)))
+                                   *(figures.precision or (None, None, None)), digest=self.digest)
         expiration = now + self.ttl
         own = self.identity.peer_id
         keys = [records.block_key(self.model_id, block) for block in self.span]

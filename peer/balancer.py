@@ -41,8 +41,10 @@ async def round_trip_ms(node: Node, peer: str, timeout: float) -> float | None:
 
 
 class SwarmView:
-    def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 2.0):
+    def __init__(self, node: Node, model_id: str, num_blocks: int, ping_timeout: float = 2.0,
+                 digest: str | None = None):
         self.node, self.model_id, self.num_blocks, self.ping_timeout = node, model_id, num_blocks, ping_timeout
+        self.digest = digest  # only peers with these weights count (others are another swarm)
         self.gone: dict[str, int] = {}  # peer -> the newest sequence number it had when it stopped answering
         self.silent: dict[str, int] = {}  # peer -> pings in a row it left unanswered within `ping_timeout`
         self.last: list[view.Server] = []  # what the last read found
@@ -76,7 +78,8 @@ class SwarmView:
 
     async def read(self) -> list[view.Server]:
         """Every other peer's servers, less the peers that stopped answering."""
-        anns = await discovery.announcements(self.node, self.model_id, self.num_blocks)
+        anns = discovery.same_weights(await discovery.announcements(self.node, self.model_id, self.num_blocks),
+                                      self.digest)
         newest: dict[str, int] = {}
         for block_anns in anns.values():
             for ann in block_anns:

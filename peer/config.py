@@ -25,14 +25,17 @@ def parse_bytes(text: str) -> int:
 
 @dataclass(frozen=True)
 class PeerConfig:
-    model: Path = option(help="checkpoint directory (transformers format, safetensors)", required=True)
+    model: str = option(help="the model: a hub repo id, org/name or org/name@revision (only this peer's shards are "
+                        "fetched), or a checkpoint directory (transformers format, safetensors)", required=True)
+    revision: str | None = option(None, help="branch, tag or commit of a hub model (default: main)")
     initial_peers: tuple[str, ...] = option((), help="multiaddrs of the bootstrap node or any peer of the swarm")
     blocks: Span | None = option(None, help="serve exactly these blocks, START:END; default: choose by memory "
                                  "budget where the swarm is weakest", parse=Span.parse)
     num_blocks: int | None = option(None, help="serve this many blocks, placed where the swarm is weakest")
     memory_budget: int | None = option(None, help="memory for weights and cache, e.g. 2GB; decides how many blocks "
                                        "(default: 80%% of available memory)", parse=parse_bytes)
-    model_id: str | None = option(None, help="the model's name in the swarm (default: the checkpoint directory name)")
+    model_id: str | None = option(None, help="the model's name in the swarm (default: the hub repo id; for a "
+                                  "directory, the name its marker gives, else one made of its weights' digest)")
     host: str = option("127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     port: int = option(0, help="TCP port to listen on (0: any free port)")
     announce_host: str | None = option(None, help="public address to announce, if different from --host")

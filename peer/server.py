@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -43,9 +44,10 @@ from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.net.identity import Identity, load_or_create
 from swarm.model.precision import Precision
 from swarm.net.record_service import records_handler
-from swarm.net.records import check_model_id, default_model_id
+from swarm.net.records import check_model_id
 from swarm.span import Span
 from swarm.net.transport import Node, describe_peer
+from swarm.weights.models import open_weights
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig, precision: P
         logger.info("block cost from %s: %.2f ms per decode step per block", config.capacity_cache, cost.decode_ms)
         return cost
     logger.info("measuring what a block of %s costs on this machine (%s)", model_id, precision.describe())
-    block = SpanBlocks(ckpt, Span(0, 1), precision.dtype, precision.device, quant=precision.quant)
+    block = SpanBlocks(ckpt.stand_in(), Span(0, 1), precision.dtype, precision.device, quant=precision.quant)
     cost = measure_block(block)
     cache.put(key, cost)
     logger.info("measured the block cost: %.2f ms per decode step per block, %.3f ms per prefill token",
@@ -138,15 +140,16 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     identity = load_or_create(config.identity) if config.identity else Identity.generate()
-    ckpt = await loop.run_in_executor(None, Checkpoint, config.model)
-    model_id = config.model_id or default_model_id(config.model)
-    check_model_id(model_id)
+    weights = await loop.run_in_executor(None, functools.partial(
+        open_weights, config.model, config.revision, role="peer", model_id=config.model_id))
+    model_id = check_model_id(weights.name)
+    ckpt = await loop.run_in_executor(None, functools.partial(Checkpoint, weights.directory, source=weights.source))
     metrics = PeerMetrics()
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
                     initial_peers=config.initial_peers) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
-        peer = Peer(config, node, identity, ckpt, model_id, metrics, precision)
+        peer = Peer(config, node, identity, ckpt, model_id, metrics, precision, digest=weights.digest)
         await peer.run(stop, on_ready)
 
 
@@ -154,12 +157,13 @@ class Peer:
     """One peer's life on a running node: measure, choose, load, serve, rebalance, leave."""
 
     def __init__(self, config: PeerConfig, node: Node, identity: Identity, ckpt: Checkpoint, model_id: str,
-                 metrics: PeerMetrics, precision: Precision | None = None):
+                 metrics: PeerMetrics, precision: Precision | None = None, digest: str | None = None):
         self.config, self.node, self.identity, self.ckpt, self.model_id = config, node, identity, ckpt, model_id
+        self.digest = digest
         self.metrics, self.name = metrics, describe_peer(node.peer_id)
         self.precision = precision or Precision.of(config.device, config.dtype, config.quant)
         self.memory = memory_blocks(ckpt, config, self.precision)
-        self.view = SwarmView(node, model_id, ckpt.num_blocks)
+        self.view = SwarmView(node, model_id, ckpt.num_blocks, digest=digest)
         self.links = Links(node)
         self.movable = config.blocks is None and config.rebalance
         self.rng = random.Random()
@@ -215,7 +219,8 @@ class Peer:
         logger.info("peer %s chose blocks %s of %d (room for %d, %.1f tokens/s per block; swarm bottleneck %.2f "
                     "tokens/s with it)", self.name, span, ckpt.num_blocks, self.memory, self.capacity.speed,
                     choice.bottleneck)
-        self.announcer = Announcer(self.node, self.identity, self.model_id, span, ckpt.num_blocks, config.record_ttl)
+        self.announcer = Announcer(self.node, self.identity, self.model_id, span, ckpt.num_blocks, config.record_ttl,
+                                   self.digest)
         await self.announce("joining")
         logger.info("peer %s loading blocks %s of %s", self.name, span, self.model_id)
         blocks = await loop.run_in_executor(None, self._load, span, None)

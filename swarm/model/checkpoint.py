@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -90,9 +91,13 @@ def num_blocks_of(config: PretrainedConfig) -> int:
 class Checkpoint:
     """A checkpoint directory in the transformers format (config.json plus safetensors)."""
 
-    def __init__(self, path: str | Path, config: PretrainedConfig | None = None):
-        """`config`: the directory's config, if `read_config` already read it."""
+    def __init__(self, path: str | Path, config: PretrainedConfig | None = None, source=None):
+        """`config`: the directory's config, if `read_config` already read it. `source`: where files not yet
+        in `path` come from (a hub model, `swarm.weights.hub.HubModel`): a shard is fetched when a tensor
+        of it is first read, and the shapes of shards not fetched come from their headers on the hub."""
         self.path = Path(path)
+        self.source = source
+        self.synthetic = False  # fill tensors of files not here with random values instead of fetching them
         self.config: PretrainedConfig = config if config is not None else read_config(self.path)
         self.model_type: str = self.config.model_type
         # Composite checkpoints (a language model with vision or audio towers) are served as their
@@ -115,9 +120,14 @@ class Checkpoint:
         """Map every tensor name to the safetensors file that holds it (single file or sharded)."""
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.path / file for name, file in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return {name: self.path / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__})") from exc
         single = self.path / "model.safetensors"
+        if not single.is_file() and self.source is not None:  # one file, not fetched yet: its header says
+            return {name: single for name in self.source.load_shapes()[single.name]}
         if not single.is_file():
             raise CheckpointError(
                 f"{self.path} has neither model.safetensors nor model.safetensors.index.json; "
@@ -225,21 +235,66 @@ class Checkpoint:
         `quant`, the 2-D weights (the linear layers' inside a block) count at the quantized format's size."""
         from swarm.model.precision import weight_bytes_per_param
 
-        with self._slices(self.names_for([block])) as slices:
-            shapes = [s.get_shape() for s in slices.values()]
+        shapes = [shape for _, shape in self._shapes(self.names_for([block])).values()]
         if quant == "none":
             return sum(math.prod(shape) for shape in shapes) * dtype.itemsize
         return int(sum(math.prod(shape) * (weight_bytes_per_param(quant, str(dtype).removeprefix("torch."))
                                            if len(shape) == 2 else dtype.itemsize) for shape in shapes))
 
+    def _shapes(self, names: list[str]) -> dict[str, tuple[str, list[int]]]:
+        """(safetensors dtype, shape) of the named tensors, from the headers of the files here, else from
+        the source's (nothing is fetched)."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._files[name], []).append(name)
+        out, remote = {}, None
+        for file, group in by_file.items():
+            if not file.is_file() and self.source is not None:
+                remote = remote or self.source.load_shapes()
+                header = remote[self._rel(file)]
+            else:
+                header = _header(file)
+            out.update({name: header[name] for name in group})
+        return out
+
+    def files_for(self, names: list[str]) -> set[str]:
+        """Names of the files (shards) that hold the named tensors."""
+        return {self._rel(self._files[name]) for name in names}
+
+    def _rel(self, file: Path) -> str:
+        return file.relative_to(self.path).as_posix()
+
+    def stand_in(self) -> Checkpoint:
+        """This checkpoint with random tensors for files not fetched yet: a block of the right shapes and
+        format, to time before its weights arrive (never served)."""
+        if self.source is None:
+            return self
+        twin = copy.copy(self)
+        twin.synthetic = True
+        return twin
+
+    def fetch(self, names: list[str]) -> None:
+        """Fetch the files holding the named tensors that are not here yet (from the source)."""
+        missing = sorted(f for f in self.files_for(names) if not (self.path / f).is_file())
+        if missing and self.source is not None:
+            self.source.fetch(missing)
+
     @contextmanager
     def _slices(self, names: list[str]) -> Iterator[dict[str, object]]:
-        """Lazy slices of the named tensors, each file opened once; nothing is read until sliced."""
+        """Lazy slices of the named tensors, each file opened once; nothing is read until sliced. Files of
+        a source are fetched first; a synthetic checkpoint gives random tensors of the right shapes for
+        files that are not here (to time a block before its weights arrive)."""
+        if not self.synthetic:
+            self.fetch(names)
         with ExitStack() as stack:
             handles: dict[Path, object] = {}
             slices: dict[str, object] = {}
             for name in names:
                 file = self._files[name]
+                if self.synthetic and not file.is_file():
+                    dtype, shape = self._shapes([name])[name]
+                    slices[name] = _random_tensor(dtype, shape)
+                    continue
                 if file not in handles:
                     handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
                 slices[name] = handles[file].get_slice(name)
@@ -265,6 +320,25 @@ class Checkpoint:
                 state,
                 LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype),
             )
+
+
+def _header(file: Path) -> dict[str, tuple[str, list[int]]]:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing (is the checkpoint complete?)")
+    with safe_open(file, framework="pt") as f:
+        return {name: (None, list(f.get_slice(name).get_shape())) for name in f.keys()}
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def _random_tensor(dtype: str | None, shape: list[int]) -> torch.Tensor:
+    kind = SAFETENSORS_DTYPES.get(dtype or "F32", torch.float32)
+    if kind.is_floating_point:
+        return torch.randn(shape, dtype=torch.float32).mul_(0.02).to(kind)
+    return torch.zeros(shape, dtype=kind)
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -29,6 +29,14 @@ async def announcements(node: Node, model_id: str, num_blocks: int) -> dict[int,
     return out
 
 
+def same_weights(anns: dict[int, list[records.Announcement]], digest: str | None) -> dict[int, list[records.Announcement]]:
+    """Only the announcements of peers serving exactly the weights `digest` names (all when None): peers
+    whose weights differ are never chained, and a record that names no weights is not trusted to match."""
+    if digest is None:
+        return anns
+    return {block: [a for a in block_anns if a.digest == digest] for block, block_anns in anns.items()}
+
+
 async def directory(node: Node) -> list[records.Announcement]:
     """Every peer's directory record (any model, any state): one per peer, sorted by model and span.
 

@@ -17,7 +17,7 @@ Invariants (checked by `verify` on store and on read, by every node of our swarm
 - the subkey is a peer id, equal to the payload's `peer`, and the signature verifies against it;
 - the payload follows the schema (unknown fields are tolerated, so newer peers can add optional
   ones); the key is one of the blocks of the announced span, or the peer's own directory bucket when
-  the payload carries `num_blocks`, has no unknown fields and fits in `MAX_DIRECTORY_VALUE_BYTES`;
+  the payload carries `num_blocks`, no fields but the directory's and fits in `MAX_DIRECTORY_VALUE_BYTES`;
 - the expiration is not beyond `now + MAX_TTL` and not already past;
 - the whole value fits in `MAX_VALUE_BYTES`;
 - per (key, subkey), sequence numbers only grow (`SequenceGuard`): an older record, or a different
@@ -47,17 +47,22 @@ CLOCK_SKEW = 30.0  # seconds of clock difference tolerated between honest nodes
 STATES = ("joining", "online", "offline")
 MAX_BLOCKS = 4096  # no model we can serve has more decoder layers
 _DOMAIN = b"swarm-announcement-v1\0"
-_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A model id is a hub repo id ("org/name") or one name of our own; 96 characters at most, as the hub's.
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+MAX_MODEL_ID = 96
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 # The directory: every peer of every model, one subkey each, spread over buckets so that no single DHT
 # value has to hold the whole swarm. Model ids never start with '_'.
 DIRECTORY_BUCKETS = 64
 DIRECTORY_KEYS = tuple(f"_models.{n}" for n in range(DIRECTORY_BUCKETS))
-# The largest schema-valid directory payload (64-character model id, 32-character version, every number
-# at its longest) seals to ~475 bytes; a tight cap makes each bucket hold as many peers as possible.
-MAX_DIRECTORY_VALUE_BYTES = 512
-# Fields older payloads lack; omitted from the payload when None, never null. Only `num_blocks` may appear
-# in a directory record: older validators refuse any other field they do not know there.
-_OPTIONAL = ("num_blocks", "sessions", "queued", "since", "links", "max_blocks", "device", "dtype", "quant")
+# The largest schema-valid directory payload (96-character model id, a digest, 32-character version,
+# every number at its longest) seals to ~555 bytes; a tight cap makes each bucket hold as many peers as
+# possible.
+MAX_DIRECTORY_VALUE_BYTES = 576
+# Fields older payloads lack; omitted from the payload when None, never null. Only `num_blocks` and
+# `digest` may appear in a directory record.
+_OPTIONAL = ("num_blocks", "sessions", "queued", "since", "links", "max_blocks", "device", "dtype", "quant",
+             "digest")
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 RECORD_DTYPES = ("float32", "bfloat16", "float16")
 RECORD_QUANTS = ("none", "int8", "nf4")
@@ -96,15 +101,10 @@ def directory_key(peer: str) -> str:
 
 
 def check_model_id(model: str) -> str:
-    if not isinstance(model, str) or not _MODEL_ID.fullmatch(model):
-        raise ValueError(f"model id {model!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+    if not isinstance(model, str) or len(model) > MAX_MODEL_ID or not _MODEL_ID.fullmatch(model):
+        raise ValueError(f"model id {model!r} must be a name or 'org/name' of letters, digits, '.', '_' or '-' "
+                         f"({MAX_MODEL_ID} characters at most)")
     return model
-
-
-def default_model_id(path) -> str:
-    """The swarm name of a checkpoint directory when none is given: its sanitized directory name."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(path).rstrip("/").split("/")[-1]).strip("-._")[:64]
-    return check_model_id(name or "model")
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,8 @@ class Announcement:
     device: str | None = None
     dtype: str | None = None
     quant: str | None = None
+    # Which weights exactly (swarm.weights.digest): peers whose digests differ are never chained.
+    digest: str | None = None
     extra: dict = field(default_factory=dict, compare=False)  # optional fields of newer versions, kept as-is
 
     @property
@@ -205,6 +207,8 @@ class Announcement:
         for name in ("sessions", "queued"):
             if getattr(self, name) is not None and not is_int(getattr(self, name), 0, 2**31):
                 raise RecordRejected(f"{name} must be a non-negative integer")
+        if self.digest is not None and not (isinstance(self.digest, str) and _DIGEST.fullmatch(self.digest)):
+            raise RecordRejected("digest must be 32 lowercase hex digits")
         for name, allowed in (("device", DEVICE_KINDS), ("dtype", RECORD_DTYPES), ("quant", RECORD_QUANTS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise RecordRejected(f"{name} {getattr(self, name)!r} is not one of {allowed}")

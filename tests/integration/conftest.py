@@ -69,11 +69,11 @@ def client(swarm, loop):
 def demo_swarm(tmp_path_factory, demo_model_dir):
     """The real demo model (SmolLM2) on a bootstrap and three peers, shared by the modules that need it."""
     from client.demo import start_swarm
-    from swarm.net.records import default_model_id
+    from swarm.weights.models import local_model_id
 
     net = LocalSwarm(tmp_path_factory.mktemp("demo-swarm"))
     try:
-        start_swarm(net, demo_model_dir, 3, "float32", default_model_id(demo_model_dir))
+        start_swarm(net, demo_model_dir, 3, "float32", local_model_id(demo_model_dir))
         release_after_last_use("demo_swarm", net.stop_all)
         yield net
     finally:

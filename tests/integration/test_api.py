@@ -26,7 +26,7 @@ from client.loop import LoopThread
 from client.model import DistributedModelForCausalLM
 from client.inference.peer_session import info
 from swarm_harness import client_node, wait_until
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,7 +39,7 @@ MAX_BODY = 65536
 
 @pytest.fixture(scope="module")
 def model_id(demo_model_dir):
-    return default_model_id(demo_model_dir)
+    return local_model_id(demo_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from client.generation import stop_token_ids
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ TOLERANCE = 1e-3  # log-probabilities through the swarm vs locally (float32 both
 
 @pytest.fixture(scope="module")
 def model_id(demo_model_dir):
-    return default_model_id(demo_model_dir)
+    return local_model_id(demo_model_dir)
 
 
 @pytest.fixture(scope="module")

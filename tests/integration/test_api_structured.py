@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,7 +58,7 @@ Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
 
 @pytest.fixture(scope="module")
 def model_id(demo_model_dir):
-    return default_model_id(demo_model_dir)
+    return local_model_id(demo_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 from swarm.net import messages, records, wire
 from swarm.net.identity import Identity
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 from swarm_harness import MODEL_ID, replicated_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -58,7 +58,7 @@ def children(pid: int) -> list[str]:
 def test_the_light_client_gives_the_hivemind_client_s_tokens(demo_swarm, demo_model_dir):
     from client.model import DistributedModelForCausalLM
 
-    model_id = default_model_id(demo_model_dir)
+    model_id = local_model_id(demo_model_dir)
     ids = torch.tensor([PROMPT])
     with DistributedModelForCausalLM.from_pretrained(demo_model_dir, demo_swarm.bootstrap_addrs,
                                                      model_id=model_id) as full:

@@ -10,7 +10,7 @@ from pathlib import Path
 import lm_eval  # a test dependency (pyproject's `test` extra)
 import pytest
 
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -62,7 +62,7 @@ def test_scores_through_the_swarm_equal_lm_evals_own_hf_backend(api, tasks, demo
     assert len(want) == sum(1 for _ in DATA.open())
     for batch_size in (1, 4):
         acc, got = evaluate(tasks, "local-completions",
-                            {"model": default_model_id(demo_model_dir), "base_url": f"{api}/completions",
+                            {"model": local_model_id(demo_model_dir), "base_url": f"{api}/completions",
                              "num_concurrent": 1, "max_retries": 1}, batch_size)
         assert sorted(got) == sorted(want)
         for doc, lls in want.items():

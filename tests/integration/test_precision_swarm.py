@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.demo import start_swarm
 from client.model import DistributedModelForCausalLM
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, Fault, LocalSwarm
 
@@ -41,7 +41,7 @@ AGREE_TOKENS, AGREE_FLOOR = 3, 5
 def int8_swarm(tmp_path_factory, demo_model_dir):
     net = LocalSwarm(tmp_path_factory.mktemp("int8-swarm"))
     try:
-        start_swarm(net, demo_model_dir, 3, "auto", default_model_id(demo_model_dir), quant="int8")
+        start_swarm(net, demo_model_dir, 3, "auto", local_model_id(demo_model_dir), quant="int8")
         yield net
     finally:
         net.stop_all()
@@ -52,7 +52,7 @@ def test_int8_peers_agree_with_float32_on_most_prompts(int8_swarm, demo_model_di
     local = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
     kw = dict(max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
     with DistributedModelForCausalLM.from_pretrained(demo_model_dir, int8_swarm.bootstrap_addrs,
-                                                     model_id=default_model_id(demo_model_dir)) as remote:
+                                                     model_id=local_model_id(demo_model_dir)) as remote:
         agreed = []  # per prompt: new tokens before the first that differs from float32's
         for prompt in PROMPTS:
             ids = tokenizer(prompt, return_tensors="pt").input_ids

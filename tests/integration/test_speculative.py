@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client.cli import stream_answer
 from client.generation import stop_token_ids
 from client.model import DistributedModelForCausalLM
-from swarm.net.records import default_model_id
+from swarm.weights.models import local_model_id
 from swarm_harness import Fault, MODEL_ID, replicated_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -42,7 +42,7 @@ class Steps:
 @pytest.fixture(scope="module")
 def demo(demo_swarm, demo_model_dir):
     model = DistributedModelForCausalLM.from_pretrained(demo_model_dir, demo_swarm.bootstrap_addrs,
-                                                        model_id=default_model_id(demo_model_dir))
+                                                        model_id=local_model_id(demo_model_dir))
     yield model
     model.close()
 

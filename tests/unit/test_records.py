@@ -168,7 +168,7 @@ def test_a_directory_record_has_no_unknown_fields_and_stays_small():
     assert check(seal(HONEST, with_extra, KEY0, NOW + 60)).extra == {"region": "eu"}  # fine in a block record
     with pytest.raises(RecordRejected, match="no unknown fields"):
         check(seal(HONEST, with_extra, DIRECTORY, NOW + 60), key_id=DIRECTORY)
-    padded = json.dumps(json.loads(announcement(num_blocks=6).to_payload()), indent=16).encode()
+    padded = json.dumps(json.loads(announcement(num_blocks=6).to_payload()), indent=24).encode()
     value = envelope(HONEST, DIRECTORY, HONEST.peer_id, NOW + 60, padded)
     assert MAX_DIRECTORY_VALUE_BYTES < len(value) <= MAX_VALUE_BYTES
     with pytest.raises(RecordRejected, match=f"fits in {MAX_DIRECTORY_VALUE_BYTES} bytes"):
@@ -176,13 +176,33 @@ def test_a_directory_record_has_no_unknown_fields_and_stays_small():
 
 
 def test_the_longest_honest_directory_record_fits():
-    longest = announcement(model="m" * 64, start=MAX_BLOCKS - 1, end=MAX_BLOCKS, state="joining",
+    longest = announcement(model="o" * 40 + "/" + "m" * 55, start=MAX_BLOCKS - 1, end=MAX_BLOCKS, state="joining",
                            throughput=1.2345678901234567e-300, prefill_tps=1.7976931348623157e308,
                            cache_tokens_left=2**40, version="v" * 32, seq=2**63 - 1, issued_at=NOW + 0.123456789,
-                           num_blocks=MAX_BLOCKS)
+                           num_blocks=MAX_BLOCKS, digest="f" * 32)
     value = seal(HONEST, longest, DIRECTORY, NOW + 60)
     assert len(value) <= MAX_DIRECTORY_VALUE_BYTES
     assert check(value, key_id=DIRECTORY) == longest
+
+
+@pytest.mark.parametrize("model", ["org/name", "HuggingFaceTB/SmolLM2-135M-Instruct", "local-0123456789ab",
+                                   "o" * 40 + "/" + "m" * 55])
+def test_model_ids_are_names_or_repo_ids(model):
+    key = key_id_of(block_key(model, 0))
+    assert check(seal(HONEST, announcement(model=model), key, NOW + 60), key_id=key).model == model
+
+
+@pytest.mark.parametrize("model", ["", "a/b/c", "/name", "org/", "_models", "o" * 40 + "/" + "m" * 56, "a b",
+                                   "org/na me"])
+def test_other_model_ids_are_refused(model):
+    with pytest.raises(RecordRejected, match="model id"):
+        announcement(model=model).check_schema()
+
+
+@pytest.mark.parametrize("digest", ["F" * 32, "f" * 31, "f" * 64, "g" * 32, 7])
+def test_a_digest_is_32_lowercase_hex_digits(digest):
+    with pytest.raises(RecordRejected, match="digest"):
+        announcement(digest=digest).check_schema()
 
 
 @pytest.mark.parametrize("subkey", [None, b"12D3KooW", 7])
@@ -277,10 +297,10 @@ _DROP = object()
     (_payload(seq=2**63), "sequence number"),
     (_payload(cache_tokens_left=False), "cache tokens left"),
     (_payload(cache_tokens_left=2**41), "cache tokens left"),
-    (_payload(model="tiny/llama"), "model id"),
+    (_payload(model="tiny/llama/x"), "model id"),
     (_payload(model="-tiny"), "model id"),
     (_payload(model=""), "model id"),
-    (_payload(model="m" * 65), "model id"),
+    (_payload(model="m" * 97), "model id"),
     (_payload(model=3), "model id"),
     (_payload(version="v" * 33), "version"),
     (_payload(version=1), "version"),
