@@ -76,6 +76,7 @@ class PeerView:
     device: str = "cpu"  # device kind, dtype and weight format it computes in (info reply, else record)
     dtype: str = "float32"
     quant: str = "none"
+    digest: str | None = None  # which weights exactly (from its record; peers with other weights never share routes)
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,11 @@ def peer_view(ann: Announcement, ping: Ping | None, now: float) -> PeerView:
     if state != "online":
         return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, ann.throughput,
                         ann.cache_tokens_left, None, None, ann.version, None, round(max(0.0, now - ann.issued_at), 1),
-                        ann.device or "cpu", dtype, quant)
+                        ann.device or "cpu", dtype, quant, ann.digest)
     info = ping.info  # checked by its decode: types and ranges
     return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, info.throughput,
                     info.cache_tokens_left, info.sessions, info.queued, ann.version, round(ping.latency_ms, 2),
-                    round(max(0.0, now - ann.issued_at), 1), info.device, info.dtype, info.quant)
+                    round(max(0.0, now - ann.issued_at), 1), info.device, info.dtype, info.quant, ann.digest)
 
 
 def model_view(model: str, num_blocks: int, peers: Sequence[PeerView]) -> ModelView:

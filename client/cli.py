@@ -264,17 +264,23 @@ def run_status(args: argparse.Namespace) -> int:
              "cache_tokens_left": p.cache_tokens_left, "version": p.version,
              "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
              "sessions": p.sessions, "queued": p.queued, "since": p.since, "links": p.links, "device": p.device,
-             "dtype": p.dtype, "quant": p.quant} for p in peers]},
+             "dtype": p.dtype, "quant": p.quant, "digest": p.digest} for p in peers]},
             indent=2))
         return 0
     online = sum(p.state == "online" for p in peers)
     print(f"model {model_id}: {num_blocks} blocks, {len(peers)} peers announced, {online} online")
-    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'DEVICE':<6} {'WEIGHTS':<14} {'TOKENS/S':>9} "
+    versions = sorted({p.digest or "-" for p in peers})
+    if len(versions) > 1 or digest is not None:
+        mine = f"; this checkpoint's: {digest[:12]}" if digest else ""
+        print(f"weights served: {', '.join(v[:12] for v in versions)}{mine} (peers with other weights are never "
+              "in one route)")
+    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'DEVICE':<6} {'WEIGHTS':<14} {'DIGEST':<12} {'TOKENS/S':>9} "
           f"{'CACHE LEFT':>11} {'SESSIONS':>8} {'QUEUED':>6} {'LATENCY':>9}  VERSION")
     for p in peers:
         latency = "-" if p.latency_ms is None else f"{p.latency_ms:.1f} ms"
         sessions, queued = ("-" if v is None else str(v) for v in (p.sessions, p.queued))
-        print(f"{p.peer:<54} {str(p.span):<10} {p.state:<8} {p.device:<6} {p.format:<14} {p.throughput:>9.1f} "
+        print(f"{p.peer:<54} {str(p.span):<10} {p.state:<8} {p.device:<6} {p.format:<14} {(p.digest or '-')[:12]:<12} "
+              f"{p.throughput:>9.1f} "
               f"{p.cache_tokens_left:>11} {sessions:>8} {queued:>6} {latency:>9}  {p.version}")
     print("uncovered blocks: " + (", ".join(map(str, uncovered)) if uncovered else "none"))
     return 0
