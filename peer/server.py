@@ -41,6 +41,7 @@ from swarm.net import view, wire
 from peer import placement, selection
 from swarm.model.blocks import SpanBlocks
 from swarm.model.checkpoint import Checkpoint, parse_dtype
+from swarm.errors import SwarmError
 from swarm.net.identity import Identity, load_or_create
 from swarm.model.precision import Precision
 from swarm.net.record_service import records_handler
@@ -307,12 +308,31 @@ class Peer:
     def _min_blocks(self) -> int:
         return self.memory if self.config.num_blocks is not None else 1
 
+    async def _fetch_for(self, decision: placement.Score) -> placement.Score | None:
+        """Fetch the files a move to `decision.span` lacks before claiming it, while the old span keeps
+        serving; the swarm may have changed meanwhile, so the move is decided again after a download."""
+        names = self.ckpt.names_for(decision.span)
+        missing = self.ckpt.missing_files(names)
+        if not missing:
+            return decision
+        logger.info("peer %s: fetching %d files for blocks %s before claiming them", self.name, len(missing),
+                    decision.span)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.ckpt.fetch, names)
+        except SwarmError as exc:
+            logger.warning("peer %s: staying on blocks %s: %s", self.name, self.span, exc)
+            return None
+        return self._decide(await self.view.read())
+
     async def rebalance(self, served: list[view.Server]) -> None:
         """Move if the placement says so: claim the new span (joining), let claims meet, defer to an earlier
         one, then load the new span, announce it online and drain the old one."""
         if self.draining is not None:
             return  # one move at a time
         decision = self._decide(served)
+        if decision is None:
+            return
+        decision = await self._fetch_for(decision)
         if decision is None:
             return
         old_span, old_blocks = self.span, self.servicer.blocks

@@ -273,9 +273,13 @@ class Checkpoint:
         twin.synthetic = True
         return twin
 
+    def missing_files(self, names: list[str]) -> list[str]:
+        """Files holding the named tensors that are not here yet."""
+        return sorted(f for f in self.files_for(names) if not (self.path / f).is_file())
+
     def fetch(self, names: list[str]) -> None:
         """Fetch the files holding the named tensors that are not here yet (from the source)."""
-        missing = sorted(f for f in self.files_for(names) if not (self.path / f).is_file())
+        missing = self.missing_files(names)
         if missing and self.source is not None:
             self.source.fetch(missing)
 

@@ -97,8 +97,42 @@ class HubModel:
     fetch_hook: Callable[[RepoFile, Path], bool] | None = None  # tries other sources (peers) before the hub
 
     @property
+    def folder(self) -> Path:
+        """This repo's folder in the hub cache (blobs/, refs/, snapshots/)."""
+        return self.hub.cache_dir / ("models--" + self.repo.replace("/", "--"))
+
+    @property
     def snapshot(self) -> Path:
-        return self.hub.cache_dir / ("models--" + self.repo.replace("/", "--")) / "snapshots" / self.commit
+        return self.folder / "snapshots" / self.commit
+
+    def remember_revision(self) -> None:
+        """Write refs/REVISION -> commit as the hub client does, so an offline run finds this commit."""
+        if self.revision == self.commit:
+            return
+        ref = self.folder / "refs" / self.revision
+        try:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            if not ref.is_file() or ref.read_text().strip() != self.commit:
+                ref.write_text(self.commit)
+        except OSError as exc:
+            logger.warning("could not note %s's revision %s in %s: %s", self.repo, self.revision, ref, exc)
+
+    def place(self, name: str, verified: Path) -> Path:
+        """Move `verified` (a file whose content hash was checked against this commit's listing, e.g. from
+        a peer) into the hub cache exactly where the hub client would have put it."""
+        info = self.files[name]
+        blob = self.folder / "blobs" / info.sha256
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(verified, blob)
+        link = self.snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        try:
+            link.symlink_to(os.path.relpath(blob, link.parent))
+        except OSError:  # no symlinks here (as the hub client does then): the file itself
+            shutil.copyfile(blob, link)
+        return link
 
     def __str__(self) -> str:
         return f"{self.repo}@{self.commit[:8]}"
@@ -223,6 +257,7 @@ def resolve(ref: ModelRef, hub: Hub | None = None) -> HubModel:
         files = {s.rfilename: RepoFile(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None) for s in info.siblings}
         model = HubModel(hub, ref.repo, revision, info.sha, files)
         model._save_manifest()
+        model.remember_revision()
     if "config.json" not in model.files:
         raise ModelUnavailable(f"{model} has no config.json: not a transformers model repository")
     if INDEX not in model.files and SINGLE not in model.files:
