@@ -123,10 +123,23 @@ class NoRoute(SwarmError):
         self.missing = missing
 
 
+class WeightsUnavailable(SwarmError):
+    """No peer delivered a weight file with the right sha256: names the file and what each holder did (the
+    caller takes it from the model hub instead)."""
+
+    code = "weights_unavailable"
+    retryable = False
+
+    def __init__(self, message: str = "", sha256: str = "", outcomes: dict[str, str] | None = None):
+        super().__init__(message)
+        self.sha256 = sha256
+        self.outcomes = dict(outcomes or {})
+
+
 ERROR_CLASSES = {cls.code: cls for cls in (SwarmError, BadRequest, UnsupportedModel, CheckpointError, OutOfCache,
                                            Busy, NotServing, UnknownSession, StepTimeout, ConnectionLost,
                                            ProtocolError, ConfigError, SwarmUnreachable, ChainMismatch,
-                                           Rewound, NoRoute)}
+                                           Rewound, NoRoute, WeightsUnavailable)}
 
 
 def error_from_code(code: str, message: str) -> SwarmError:

@@ -31,6 +31,7 @@ FORWARD_PROTOCOL = "/swarm/forward/2.0.0"  # one stateless forward of whole sequ
 INFO_PROTOCOL = "/swarm/info/1.0.0"  # what the peer serves and how loaded it is
 PUSH_PROTOCOL = "/swarm/push/3.0.0"  # peer -> next peer of a route: a chained step's input, no reply
 RECORDS_PROTOCOL = "/swarm/records/1.0.0"  # the signed records a node reads for some keys (no DHT needed to ask)
+WEIGHTS_PROTOCOL = "/swarm/weights/1.0.0"  # peer -> peer: which weight files it holds, and their bytes (swarm.weights)
 
 MAX_FRAME_BYTES = 4 * 2**20  # the transport caps one message at 4 MiB: bigger tensors are split
 MAX_HEADER_BYTES = 64 * 2**10  # headers are small JSON; anything bigger is an attack or a bug
@@ -46,6 +47,8 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1,
 OPEN, OPENED, STEP, OUTPUT, CLOSE, FORWARD, INFO, ERROR, PUSH = (
     "open", "opened", "step", "output", "close", "forward", "info", "error", "push")
 GET_RECORDS, RECORDS = "get_records", "records"  # client -> node, node -> client (records protocol)
+# weights protocol: HAVE, GET peer -> holder; HELD, CHUNK, END holder -> peer (swarm/weights/messages.py)
+HAVE, HELD, GET, CHUNK, END = "have", "held", "get", "chunk", "end"
 MAX_CHAIN = 64  # hops a chained step may still name after the first
 
 

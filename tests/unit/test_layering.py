@@ -6,6 +6,9 @@ importing `bootstrap` (or the `swarm` command itself) loads no torch.
 Wings (docs/architecture.md):
 - `swarm.net` (the network) and `swarm.model` (the model) never import each other; every `swarm.net`
   module imports without torch.
+- `swarm.weights` (weight files shared between peers) stands on the ground and `swarm.net` only: no
+  `swarm.model`, no `swarm.local`, and `swarm.net` does not import it; every module of it imports
+  without torch.
 - The ground (`swarm`'s own top-level modules: errors, span, config, cli, ...) imports no wing.
 - `bootstrap` imports no `swarm.model`.
 - `client.inference` imports no `client.api`, `client.light` or generation front end.
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("swarm", "peer", "client", "bootstrap")
 ALLOWED = {"swarm": set(), "peer": {"swarm"}, "client": {"swarm"}, "bootstrap": {"swarm"}}
-SWARM_WINGS = ("swarm.net", "swarm.model", "swarm.local")
+SWARM_WINGS = ("swarm.net", "swarm.model", "swarm.local", "swarm.weights")
 # the client's generation front ends: what turns tokens into text for a user, above the inference wing
 FRONT_ENDS = ("client.model", "client.generation", "client.checked", "client.sampling", "client.drafts",
               "client.grammar", "client.cli", "client.demo", "client.commands", "client.connection")
@@ -107,6 +110,10 @@ def wing_rule(importer: str, target: str) -> str | None:
         return "the network wing never imports the model wing"
     if within(importer, "swarm.model") and within(target, "swarm.net"):
         return "the model wing never imports the network wing"
+    if within(importer, "swarm.weights") and (within(target, "swarm.model") or within(target, "swarm.local")):
+        return "the weights wing stands on the ground and the network only"
+    if within(importer, "swarm.net") and within(target, "swarm.weights"):
+        return "the network wing never imports the weights wing"
     if within(importer, "swarm") and not any(within(importer, w) for w in SWARM_WINGS) and \
             any(within(target, w) for w in SWARM_WINGS):
         return "the ground of `swarm` imports no wing"
@@ -129,7 +136,9 @@ def test_wings_import_only_what_their_rules_allow():
     ("swarm.net.wire", "swarm.model.blocks"), ("swarm.model.head", "swarm.net"), ("swarm.span", "swarm.local.launch"),
     ("bootstrap.node", "swarm.model.checkpoint"), ("client.inference.session", "client.api.gateway"),
     ("client.inference.routing", "client.light.node"), ("client.inference.hops", "client.generation"),
-    ("client.connection", "libp2p.peer.id"),
+    ("client.connection", "libp2p.peer.id"), ("swarm.weights.share", "swarm.model.checkpoint"),
+    ("swarm.weights.share", "swarm.local.launch"), ("swarm.net.transport", "swarm.weights.share"),
+    ("swarm.errors", "swarm.weights"),
 ])
 def test_the_wing_rules_refuse(importer, target):
     assert wing_rule(importer, target)
@@ -138,7 +147,9 @@ def test_the_wing_rules_refuse(importer, target):
 def test_the_wing_rules_allow_the_layout():
     for importer, target in [("swarm.local.launch", "swarm.net.identity"), ("swarm.model.precision", "swarm.formats"),
                              ("client.model", "client.inference.session"), ("client.light.host", "libp2p.crypto"),
-                             ("peer.server", "swarm.model.blocks"), ("client.api.gateway", "client.generation")]:
+                             ("peer.server", "swarm.model.blocks"), ("client.api.gateway", "client.generation"),
+                             ("swarm.weights.share", "swarm.net.transport"), ("swarm.weights.share", "swarm.errors"),
+                             ("peer.server", "swarm.weights.share")]:
         assert wing_rule(importer, target) is None, (importer, target)
 
 
@@ -220,9 +231,9 @@ def test_no_torch_at_import(statement):
     assert out.stdout.split() == ["False", "False"], f"{statement!r} imported torch or transformers"
 
 
-def test_every_network_module_imports_without_torch():
-    net = sorted(name for name in sources() if within(name, "swarm.net"))
-    assert len(net) >= 10, net
+def test_every_network_and_weights_module_imports_without_torch():
+    net = sorted(name for name in sources() if within(name, "swarm.net") or within(name, "swarm.weights"))
+    assert len(net) >= 10 and "swarm.weights.share" in net, net
     code = ("import importlib, sys\n"
             f"for name in {net!r}:\n"
             "    importlib.import_module(name)\n"
