@@ -90,6 +90,11 @@ class PeerConfig:
                                       "any free port; default: off)")
     metrics_host: str = option("127.0.0.1", help="address the metrics listen on (0.0.0.0 to let another machine "
                                "scrape them)")
+    share_weights: bool = option(True, help="give the weight files this peer holds to peers of the same weights, "
+                                 "and take the files it lacks from them before the hub (--no-share-weights: "
+                                 "neither)")
+    share_rate: int | None = option(None, help="bytes per second this peer sends to other peers' downloads at most, "
+                                    "e.g. 20MB (default: no cap)", parse=parse_bytes)
 
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",

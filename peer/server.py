@@ -36,7 +36,9 @@ from peer.push import Pusher
 from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
+from peer.weights import Sharing
 from swarm import __version__
+from swarm.cli import cache_home
 from swarm.net import view, wire
 from peer import placement, selection
 from swarm.model.blocks import SpanBlocks
@@ -151,6 +153,7 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
                     initial_peers=config.initial_peers) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
         peer = Peer(config, node, identity, ckpt, model_id, metrics, precision, digest=weights.digest)
+        peer.sharing = Sharing(node, weights, ckpt.num_blocks, config, cache_home())
         await peer.run(stop, on_ready)
 
 
@@ -161,6 +164,7 @@ class Peer:
                  metrics: PeerMetrics, precision: Precision | None = None, digest: str | None = None):
         self.config, self.node, self.identity, self.ckpt, self.model_id = config, node, identity, ckpt, model_id
         self.digest = digest
+        self.sharing: Sharing | None = None  # weight files given to and taken from peers of the same weights
         self.metrics, self.name = metrics, describe_peer(node.peer_id)
         self.precision = precision or Precision.of(config.device, config.dtype, config.quant)
         self.memory = memory_blocks(ckpt, config, self.precision)
@@ -212,6 +216,8 @@ class Peer:
     async def run(self, stop: asyncio.Event, on_ready: Callable[[PeerReady], None] | None) -> None:
         loop = asyncio.get_running_loop()
         config, ckpt = self.config, self.ckpt
+        if self.sharing is not None:
+            await self.sharing.start()
         cost = await loop.run_in_executor(None, block_cost, ckpt, self.model_id, config, self.precision)
         self.capacity = Capacity(cost)
         served = await self.view.read()

@@ -95,6 +95,7 @@ class HubModel:
     shapes: dict[str, dict[str, tuple[str, list[int]]]] = field(default_factory=dict)  # shard -> tensor -> (dtype, shape)
     fetched: list[str] = field(default_factory=list)  # names this process fetched (not found in the cache)
     fetch_hook: Callable[[RepoFile, Path], bool] | None = None  # tries other sources (peers) before the hub
+    on_fetched: Callable[[RepoFile, Path], None] | None = None  # told of every file fetched, from anywhere
 
     @property
     def folder(self) -> Path:
@@ -172,6 +173,7 @@ class HubModel:
         self._check_room(info)
         if self.fetch_hook is not None and info.sha256 and self.fetch_hook(info, self.snapshot / name):
             self.fetched.append(name)
+            self._told(info)
             return
         from huggingface_hub import hf_hub_download
 
@@ -190,6 +192,11 @@ class HubModel:
                 _remove_cached(Path(local))
                 raise ModelUnavailable(f"{self}: {name} as downloaded has sha256 {got[:16]}..., but the hub lists "
                                        f"{info.sha256[:16]}...; it was deleted from the cache, try again")
+        self._told(info)
+
+    def _told(self, info: RepoFile) -> None:
+        if self.on_fetched is not None:
+            self.on_fetched(info, self.snapshot / info.name)
 
     def _check_room(self, info: RepoFile) -> None:
         if not info.size:
@@ -214,16 +221,36 @@ class HubModel:
         if missing:
             if self.hub.offline:
                 raise ModelUnavailable(f"{self}: the tensor shapes of {missing[0]} are unknown offline")
-            try:
-                meta = self.hub.api().get_safetensors_metadata(self.repo, revision=self.commit)
-            except Exception as exc:  # noqa: BLE001 - the hub client's errors, turned into what to do
-                raise _unavailable(exc, self.repo, self.revision, self.hub) from exc
             for name in missing:
-                tensors = meta.files_metadata[name].tensors
-                shapes[name] = {t: (info.dtype, list(info.shape)) for t, info in tensors.items()}
+                try:
+                    shapes[name] = self._remote_header(name)
+                except CheckpointError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the hub client's errors, turned into what to do
+                    raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
         self.shapes = shapes
         self._save_manifest()
         return shapes
+
+    def _remote_header(self, name: str) -> dict[str, tuple[str, list[int]]]:
+        """A shard's header read on the hub with two range requests: its length, then the header itself."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        url = hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.hub.endpoint)
+        headers = build_hf_headers(token=self.hub.token)
+
+        def read(start: int, end: int) -> bytes:
+            response = get_session().get(url, headers={**headers, "Range": f"bytes={start}-{end}"},
+                                         follow_redirects=True, timeout=30)
+            hf_raise_for_status(response)
+            return response.content[:end - start + 1]
+
+        size = int.from_bytes(read(0, 7), "little")
+        if not 0 < size <= 100 * 2**20:
+            raise ModelUnavailable(f"{self}: {name} is not a safetensors file (header of {size} bytes)")
+        header = json.loads(read(8, 8 + size - 1))
+        return {k: (v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__"}
 
     def _manifest_path(self) -> Path:
         return self.hub.manifests / self.repo.replace("/", "--") / f"{self.commit}.json"

@@ -1,0 +1,133 @@
+"""A swarm downloads a model once: this peer gives the weight files it holds to peers serving the same
+weights, and takes the files it lacks from them before it asks the hub.
+
+Files are named by their sha256 (the hub's listing for a hub model, hashed once for a local directory),
+so a file from a peer is used only once all its bytes match; a peer that sent wrong bytes is banned for
+the rest of this peer's life and the file comes from another holder, or from the hub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from pathlib import Path
+
+from peer.config import PeerConfig
+from swarm.errors import WeightsUnavailable
+from swarm.net import discovery, wire
+from swarm.net.transport import Node, describe_peer
+from swarm.weights.digest import local_hashes
+from swarm.weights.hub import RepoFile
+from swarm.weights.models import Weights
+from swarm.weights.share import FileShare, fetch_file, find_holders
+
+logger = logging.getLogger(__name__)
+
+HOLDERS_TIMEOUT_S = 5.0  # peers asked what they hold answer within this or count as holding nothing
+MAX_CANDIDATES = 32  # peers asked at most per file
+
+
+class Sharing:
+    """This peer's side of weight sharing, for one model's weights."""
+
+    def __init__(self, node: Node, weights: Weights, num_blocks: int, config: PeerConfig, cache_home: str | None):
+        self.node, self.weights, self.num_blocks, self.config = node, weights, num_blocks, config
+        self.share = FileShare(rate=config.share_rate, enabled=config.share_weights)
+        self.banned: set[str] = set()
+        self.from_peers: dict[str, str] = {}  # file -> the peer it came from
+        self.cache_home = cache_home
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        """Serve the protocol (refusing while sharing is off), offer what is held, and take part in
+        fetching: the hub model asks here before the hub."""
+        self.loop = asyncio.get_running_loop()
+        await self.node.serve(wire.WEIGHTS_PROTOCOL, self.share.handler)
+        await self.loop.run_in_executor(None, self.offer_held)
+        hub = self.weights.hub
+        if hub is not None:
+            hub.on_fetched = self.offer
+            if self.config.share_weights:
+                hub.fetch_hook = self.fetch_from_peers
+
+    def offer_held(self) -> None:
+        """Offer every weight file already here whose hash is known."""
+        hub = self.weights.hub
+        if hub is None:
+            _, hashes = local_hashes(self.weights.directory, self.cache_home)
+            for name, sha in hashes.items():
+                path = self.weights.directory / name
+                self.share.add(sha, path, path.stat().st_size)
+            return
+        for name in hub.weight_files:
+            info = hub.files[name]
+            if info.sha256 and hub.present(name):
+                self.offer(info, hub.snapshot / name)
+
+    def offer(self, info: RepoFile, path: Path) -> None:
+        if info.sha256 and info.name in self.weights.hub.weight_files:
+            self.share.add(info.sha256, path, path.stat().st_size)
+
+    def fetch_from_peers(self, info: RepoFile, dest: Path) -> bool:
+        """Called from a loading thread: take `info` from peers of the same weights into the hub cache;
+        False when none had it (the hub is asked then)."""
+        future = asyncio.run_coroutine_threadsafe(self._fetch(info), self.loop)
+        return future.result()
+
+    async def _candidates(self) -> list[str]:
+        anns = discovery.same_weights(await discovery.announcements(self.node, self.weights.name, self.num_blocks),
+                                      self.weights.digest)
+        peers = {a.peer for block in anns.values() for a in block if a.state != "offline"}
+        peers.discard(self.node.peer_id)
+        peers -= self.banned
+        return random.sample(sorted(peers), min(len(peers), MAX_CANDIDATES))
+
+    async def _fetch(self, info: RepoFile) -> bool:
+        hub = self.weights.hub
+        try:
+            peers = await self._candidates()
+            if not peers:
+                return False
+            held = await find_holders(self.node, peers, [info.sha256], timeout=HOLDERS_TIMEOUT_S)
+            holders = [p for p, size in held.get(info.sha256, []) if size == info.size and p not in self.banned]
+            if not holders:
+                return False
+            random.shuffle(holders)
+            part = hub.folder / "blobs" / f"{info.sha256}.from-peers"
+            part.parent.mkdir(parents=True, exist_ok=True)
+            started = time.monotonic()
+            logger.info("fetching %s of %s (%.1f MiB) from %d peers that hold it", info.name, hub, info.size / 2**20,
+                        len(holders))
+            sender = await fetch_file(self.node, holders, info.sha256, info.size, part, banned=self.banned,
+                                      progress=Progress(info.name, info.size))
+        except WeightsUnavailable as exc:
+            logger.warning("%s: no peer delivered it (%s); asking the hub", info.name, exc)
+            return False
+        hub.place(info.name, part)
+        self.from_peers[info.name] = sender
+        elapsed = max(time.monotonic() - started, 1e-6)
+        logger.info("fetched %s from peer %s (%.1f MiB/s)", info.name, describe_peer(sender),
+                    info.size / 2**20 / elapsed)
+        return True
+
+
+class Progress:
+    """A download's progress in the log: bytes, rate and time left, at most every few seconds."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, name: str, total: int):
+        self.name, self.total = name, total
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.EVERY_S or done >= total:
+            return
+        self.last = now
+        rate = done / max(now - self.started, 1e-6)
+        left = (total - done) / rate if rate > 0 else float("inf")
+        logger.info("%s: %.1f of %.1f MiB, %.1f MiB/s, %.0f s left", self.name, done / 2**20, total / 2**20,
+                    rate / 2**20, left)
