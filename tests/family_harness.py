@@ -9,9 +9,11 @@ transformers in this process. The outcome of a type is one of:
 - "exact": greedy tokens identical and every logit within `TOLERANCE` (float32);
 - "inexact": measured otherwise, and so refused (by `swarm/model/families.py`'s `INEXACT`, with the reason);
   the comparison runs with that table set aside, so the measurement is made every time;
-- "refused": a typed `UnsupportedModel` before any weight loads, with its reason;
-- "unchecked": no tiny model of it could be built here (listed in `UNCHECKED`, with why);
-- "wrong" or "crash": a defect (the test over the mapping fails on either).
+- "refused": a typed `UnsupportedModel` before any weight loads, with its reason (or a `CheckpointError`);
+- "unchecked": no tiny model of it could be built here (listed in `UNCHECKED`, with why; its config alone
+  is still opened, and must be refused with a typed error);
+- "wrong" or "crash": a defect (the test over the mapping fails on either); an untyped error out of
+  opening a checkpoint is a crash.
 
 Used by `tests/models/test_every_family.py` and by `benchmarks/model_coverage.py`, which writes
 `docs/models.md`.
@@ -63,7 +65,10 @@ REALISTIC = dict(
     attention_in_multiplier=1.3, attention_out_multiplier=0.8, key_multiplier=0.9, mlp_multipliers=[1.2, 0.8],
 )
 
-# Per type, where the generic sizes do not fit the class.
+_BLT_PART = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                 max_position_embeddings=256, num_hidden_layers=2)
+
+# Per type, where the generic sizes do not fit the class (a part given whole is taken as given).
 OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 3),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -90,7 +95,14 @@ OVERRIDES: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1, 4], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 3, mamba_n_heads=8, mamba_d_head=16,
                              mamba_d_state=16),
-    "zamba": dict(attn_layer_period=3, attn_layer_offset=1, mamba_dt_rank=8),
+    # Zamba's hybrid layers share one attention block (tied across layers), as in its released checkpoints;
+    # its layer kinds are derived again from the period and offset (a pick of the 76 default ones has no hybrid).
+    "zamba": dict(attn_layer_period=3, attn_layer_offset=1, mamba_dt_rank=8, tie_word_embeddings=True,
+                  layers_block_type=None),
+    # BLT's parts (byte patcher, local encoder and decoder, global transformer), given whole: sizes must agree.
+    "blt": dict(encoder_hash_byte_group_vocab=1000, patcher_config=_BLT_PART,
+                global_config=dict(_BLT_PART, hidden_size=128), encoder_config=dict(_BLT_PART, hidden_size_global=128),
+                decoder_config=dict(_BLT_PART, hidden_size_global=128)),
     "reformer": dict(is_decoder=True, axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32],
                      attn_layers=["local", "lsh"] * 3, local_attn_chunk_length=8, lsh_attn_chunk_length=8),
 }
@@ -118,16 +130,16 @@ BASES: dict[str, dict] = {
 # Types no tiny model could be built of here (transformers refuses every small config tried); the test
 # checks that this is still so, so that a fix shows up.
 UNCHECKED: dict[str, str] = {
-    "blt": "its patcher and byte-level encoder and decoder keep their full sizes in every config tried",
     "dots3_note": "its per-layer attention overrides fail transformers' own validation at small sizes",
     "dots3_note_text": "its per-layer attention overrides fail transformers' own validation at small sizes",
 }
 
 
-def tiny_config(model_type: str):
-    """A small config of `model_type` with realistic non-neutral values, deterministic."""
+def tiny_config(model_type: str, **changes):
+    """A small config of `model_type` with realistic non-neutral values, deterministic; `changes` replace
+    sizes or overrides (e.g. `tie_word_embeddings=True`)."""
     base = AutoConfig.for_model(model_type, **BASES.get(model_type, {}))
-    wanted = {**SIZES, **OVERRIDES.get(model_type, {})}
+    wanted = {**SIZES, **OVERRIDES.get(model_type, {}), **changes}
     return _shrunk(base, wanted, model_type)
 
 
@@ -175,6 +187,8 @@ def _shrunk(config, wanted: dict, model_type: str, tower: bool = False):
     parts = {}
     for name in SUBCONFIGS:
         part = getattr(config, name, None)
+        if name in kwargs:  # given whole in OVERRIDES
+            continue
         if isinstance(part, dict) and "model_type" in part:
             part = AutoConfig.for_model(part["model_type"], **{k: v for k, v in part.items() if k != "model_type"})
         if part is not None and hasattr(part, "to_dict"):
@@ -207,8 +221,8 @@ def _per_layer(values: list, n: int, cycle: bool) -> list:
 MAX_PARAMETERS = 40_000_000
 
 
-def build(model_type: str, directory: Path, seed: int = 0) -> Path:
-    config = tiny_config(model_type)
+def build(model_type: str, directory: Path, seed: int = 0, **changes) -> Path:
+    config = tiny_config(model_type, **changes)
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
@@ -224,7 +238,7 @@ def check(model_type: str, directory: Path) -> Outcome:
     """Build, then compare or record the refusal; never raises."""
     from client.inference.local_chain import LocalChain
     from swarm.model.checkpoint import Checkpoint
-    from swarm.errors import UnsupportedModel
+    from swarm.errors import CheckpointError, UnsupportedModel
     from swarm.span import split_evenly
 
     from swarm.model import families
@@ -235,6 +249,9 @@ def check(model_type: str, directory: Path) -> Outcome:
         try:
             build(model_type, directory)
         except Exception:  # noqa: BLE001 - still cannot be built: as recorded
+            untyped = open_config_alone(model_type, directory)
+            if untyped:
+                return Outcome(model_type, "crash", untyped)
             return Outcome(model_type, "unchecked", UNCHECKED[model_type])
         return Outcome(model_type, "crash", "listed as unbuildable, but a tiny model was built: check it")
     quiet = logging.getLogger("transformers")
@@ -260,8 +277,11 @@ def check(model_type: str, directory: Path) -> Outcome:
                                seconds=time.monotonic() - started)
             try:
                 ckpt = Checkpoint(path)
-            except UnsupportedModel as exc:
+            except (UnsupportedModel, CheckpointError) as exc:
                 return Outcome(model_type, "refused", str(exc), seconds=time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - opening fails only with a typed error: a defect
+                return Outcome(model_type, "crash", f"opening raised {type(exc).__name__}: {exc}"[:300],
+                               seconds=time.monotonic() - started)
             try:
                 outcome = _compare(ckpt, path, LocalChain, split_evenly)
             except UnsupportedModel as exc:
@@ -276,6 +296,26 @@ def check(model_type: str, directory: Path) -> Outcome:
     if outcome.result == "wrong" and listed is not None:
         outcome.result, outcome.detail = "inexact", f"{outcome.detail} (refused: {listed})"
     return outcome
+
+
+def open_config_alone(model_type: str, directory: Path, **changes) -> str:
+    """Open a directory holding only the tiny config of `model_type` (no model of it could be built): it
+    must be refused with a typed error. Returns what went wrong, or "" when it was."""
+    from swarm.errors import CheckpointError, UnsupportedModel
+    from swarm.model.checkpoint import Checkpoint
+
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        tiny_config(model_type, **changes).save_pretrained(directory)
+    except Exception:  # noqa: BLE001 - not even its config can be built small: nothing to open
+        return ""
+    try:
+        Checkpoint(directory)
+    except (UnsupportedModel, CheckpointError):
+        return ""
+    except Exception as exc:  # noqa: BLE001 - the defect this reports
+        return f"opening its config alone raised {type(exc).__name__}: {exc}"[:300]
+    return "a checkpoint without weights was opened"
 
 
 def _compare(ckpt, path: Path, LocalChain, split_evenly) -> Outcome:  # noqa: N803

@@ -79,13 +79,39 @@ def read_config(path: str | Path) -> PretrainedConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not a transformers checkpoint directory")
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers cannot read this config.json: say which type and why
+        raise _unreadable_config(path, exc) from exc
     check_supported(config)
     return config
 
 
+def _unreadable_config(path: Path, exc: Exception) -> CheckpointError | UnsupportedModel:
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    reason = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    try:
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return CheckpointError(f"{path}/config.json is not a JSON object ({reason})")
+    if not kind:
+        return CheckpointError(f"{path}/config.json names no model_type ({reason})")
+    if kind not in CONFIG_MAPPING_NAMES:
+        return UnsupportedModel(f"model type {kind!r} is not known to transformers {__version__} ({SEE})")
+    return CheckpointError(f"model type {kind!r}: transformers cannot read {path}/config.json ({reason})")
+
+
 def num_blocks_of(config: PretrainedConfig) -> int:
-    return int(config.get_text_config(decoder=True).num_hidden_layers)
+    """The number of decoder layers (blocks) of the text decoder; refused where the config gives none."""
+    try:
+        text = config.get_text_config(decoder=True)
+        return int(text.num_hidden_layers)
+    except (AttributeError, TypeError, ValueError) as exc:  # no single stack of layers (or a malformed count)
+        raise UnsupportedModel(f"model type {config.model_type!r}: its config gives no number of decoder layers "
+                               f"({type(exc).__name__}: {str(exc).strip()[:200]}), so it has no list of decoder "
+                               f"layers to split into blocks ({SEE})") from exc
 
 
 class Checkpoint:
@@ -161,6 +187,17 @@ class Checkpoint:
         if parallel:
             raise UnsupportedModel(f"model type {self.model_type!r} keeps per-layer weights outside its layer list "
                                    f"({', '.join(parallel[:3])}), so a block is not one module")
+        try:
+            tied = skel.get_expanded_tied_weights_keys(all_submodels=True)
+        except Exception as exc:  # transformers cannot resolve the family's own tying rules on this config
+            raise UnsupportedModel(f"model type {self.model_type!r}: transformers cannot resolve its tied weights "
+                                   f"({type(exc).__name__}: {str(exc).strip()[:200]})") from exc
+        into_layers = sorted((target, source) for target, source in tied.items()
+                             if target.startswith(f"{path}.") or source.startswith(f"{path}."))
+        if into_layers:
+            target, source = into_layers[0]
+            raise UnsupportedModel(f"model type {self.model_type!r} ties weights of its decoder layers to other "
+                                   f"weights ({target} is {source}), so a block's weights are not its own")
         shadows = list(frames.get_path(skel, path))
         forward = inspect.signature(skel.forward).parameters
         if "cache" not in forward and "past_key_values" not in forward:
@@ -181,7 +218,11 @@ class Checkpoint:
         if not isinstance(embeddings, torch.nn.Embedding):
             raise UnsupportedModel(f"model type {self.model_type!r}: its input embeddings are "
                                    f"{type(embeddings).__name__}, not a token embedding table")
-        self._key_rules = self._rules_of(skel)
+        try:
+            self._key_rules = self._rules_of(skel)
+        except Exception as exc:  # transformers' key mapping cannot be built for this class
+            raise UnsupportedModel(f"model type {self.model_type!r}: transformers cannot map checkpoint names to "
+                                   f"{type(skel).__name__} ({type(exc).__name__}: {str(exc).strip()[:200]})") from exc
         try:
             from swarm.span import Span
 
@@ -209,7 +250,11 @@ class Checkpoint:
         names, fused experts, a composite model's prefixes)."""
         if self._keys is None:
             renamings, converters, prefix, meta = self._key_rules or self._rules_of(self.skeleton())
-            self._keys = {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in self._files}
+            try:
+                self._keys = {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in self._files}
+            except Exception as exc:  # transformers' key mapping fails on this checkpoint's tensor names
+                raise CheckpointError(f"model type {self.model_type!r}: transformers cannot map {self.path}'s tensor "
+                                      f"names to the model ({type(exc).__name__}: {str(exc).strip()[:200]})") from exc
         return self._keys[name]
 
     @staticmethod
@@ -361,6 +406,7 @@ def check_supported(config: PretrainedConfig) -> None:
         raise UnsupportedModel(f"model type {kind!r} with bidirectional attention is not supported ({supported})")
     from transformers.cache_utils import get_layer_types_and_kwargs
 
+    num_blocks_of(config)  # refused here where the config gives no layer count
     text = config.get_text_config(decoder=True)
     try:
         cache_kinds = get_layer_types_and_kwargs(text)[0]

@@ -332,7 +332,7 @@ def build(ckpt, dtype: torch.dtype, device: torch.device, blocks=(), modules=fro
     """The family's model with blocks `blocks` (read from disk unless in `shared`) and the named non-layer
     `modules` loaded; every other layer is a slot and every other weight stays on the meta device.
     Returns the frame and its real layers by block index."""
-    from swarm.errors import CheckpointError
+    from swarm.errors import CheckpointError, UnsupportedModel
 
     shared = shared or {}
     layout = ckpt.layout
@@ -367,7 +367,11 @@ def build(ckpt, dtype: torch.dtype, device: torch.device, blocks=(), modules=fro
     with torch.no_grad():
         skel.initialize_weights()  # computed buffers (rotary tables, embedding scales), as from_pretrained does
         if tie:
-            skel.tie_weights()
+            try:
+                skel.tie_weights()
+            except Exception as exc:  # the family's tying rules cannot be applied to a frame of its layers
+                raise UnsupportedModel(f"model type {ckpt.model_type!r}: its tied weights cannot be tied around a span "
+                                       f"of its layers ({type(exc).__name__}: {str(exc).strip()[:200]})") from exc
     for name, module in owned:
         if name.startswith(f"{layout.layers_path}."):
             module.to(device)

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoConfig
 
 from swarm.model.blocks import SpanBlocks
-from swarm.model.checkpoint import Checkpoint
+from swarm.model.checkpoint import Checkpoint, read_config
 from swarm.model.head import ModelHead
 from swarm.errors import BadRequest, CheckpointError, UnsupportedModel
 from swarm.span import Span
@@ -23,6 +23,60 @@ def test_unsupported_architectures_are_named(model_type, tmp_path):
     message = str(err.value)
     assert repr(model_type) in message
     assert "docs/models.md" in message
+
+
+def _save_tiny(config, directory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def test_a_config_without_a_layer_count_is_refused(tmp_path):
+    """BLT (a byte patcher, local encoder and decoder around a global transformer) has no single stack of
+    decoder layers: its config has no `num_hidden_layers`, which used to escape as an AttributeError."""
+    part = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                max_position_embeddings=256, num_hidden_layers=2)
+    config = AutoConfig.for_model("blt", encoder_hash_byte_group_vocab=1000, patcher_config=part,
+                                  encoder_config=dict(part, hidden_size_global=128),
+                                  decoder_config=dict(part, hidden_size_global=128),
+                                  global_config=dict(part, hidden_size=128))
+    path = _save_tiny(config, tmp_path)
+    with pytest.raises(UnsupportedModel, match="model type 'blt': its config gives no number of decoder layers") as err:
+        Checkpoint(path)
+    assert isinstance(err.value.__cause__, AttributeError)
+    with pytest.raises(UnsupportedModel, match="'blt'"):
+        read_config(path)
+
+
+def test_weights_tied_between_layers_are_refused(tmp_path):
+    """Zamba's hybrid layers share one attention block: a block's weights live in another block (and on disk
+    only once), which used to escape as transformers' ValueError about `tie_weights_keys` when the head tied
+    its weights."""
+    config = AutoConfig.for_model("zamba", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256, attn_layer_period=3,
+                                  attn_layer_offset=1, mamba_dt_rank=8, max_position_embeddings=256)
+    assert config.tie_word_embeddings  # as released
+    path = _save_tiny(config, tmp_path)
+    with pytest.raises(UnsupportedModel, match=r"model type 'zamba' ties weights of its decoder layers .*"
+                                               r"model\.layers\.4\.shared_transf.* is model\.layers\.2\.shared_transf"):
+        Checkpoint(path)
+
+
+def test_unreadable_configs_are_typed(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_family_yet", "num_hidden_layers": 2}')
+    with pytest.raises(UnsupportedModel, match="model type 'no_such_family_yet' is not known to transformers"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json is not a JSON object") as err:
+        Checkpoint(tmp_path)
+    assert err.value.__cause__ is not None
+    # a known type whose values transformers' own validation rejects
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5}')
+    with pytest.raises(CheckpointError, match="model type 'llama': transformers cannot read"):
+        Checkpoint(tmp_path)
 
 
 def test_missing_weights_and_config(tmp_path):

@@ -9,10 +9,13 @@ with `python benchmarks/model_coverage.py` (which also writes docs/models.md).
 from __future__ import annotations
 
 import pytest
-from family_harness import check, model_types
+from family_harness import BASES, UNCHECKED, build, check, model_types, open_config_alone
+from transformers import AutoConfig
 
+from swarm.model import families
 from swarm.model.checkpoint import Checkpoint
-from swarm.errors import UnsupportedModel
+from swarm.model.head import ModelHead
+from swarm.errors import CheckpointError, UnsupportedModel
 from swarm.model.families import EXACT, INEXACT
 
 pytestmark = pytest.mark.models
@@ -50,3 +53,38 @@ def test_per_layer_inputs_are_refused_before_any_weight_loads(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel, match="gemma4_text.*per-layer inputs"):
         Checkpoint(tmp_path)
+
+
+def tied_by_default() -> list[str]:
+    """Types whose default config ties weights (`tie_word_embeddings`: the LM head to the embeddings, and for
+    some families weights between layers). The sweep above builds every type untied."""
+    tied = []
+    for model_type in model_types():
+        if model_type in UNCHECKED:
+            continue
+        try:
+            config = AutoConfig.for_model(model_type, **BASES.get(model_type, {}))
+        except Exception:  # noqa: BLE001 - no default config: the sweep above records the type
+            continue
+        if getattr(config.get_text_config(decoder=True), "tie_word_embeddings", False):
+            tied.append(model_type)
+    return tied
+
+
+@pytest.mark.parametrize("model_type", tied_by_default())
+def test_tied_checkpoints_open_or_are_refused_with_a_typed_error(model_type, tmp_path, monkeypatch):
+    """Every type whose checkpoints come tied, built tied, and opened as a client does (the checkpoint, then
+    its head, where transformers ties the weights): it opens, or it is refused with a typed error that names
+    the model type; never an untyped failure. The table of inexact types is set aside, so that what lies
+    behind it is opened too."""
+    monkeypatch.setattr(families, "INEXACT", {})
+    try:
+        build(model_type, tmp_path, tie_word_embeddings=True)
+    except Exception:  # noqa: BLE001 - transformers cannot build it small: its config alone is opened
+        problem = open_config_alone(model_type, tmp_path, tie_word_embeddings=True)
+        assert not problem, f"{model_type}: {problem}"
+        return
+    try:
+        ModelHead(Checkpoint(tmp_path))
+    except (UnsupportedModel, CheckpointError) as exc:
+        assert "model type" in str(exc), f"the refusal of {model_type} does not name it: {exc}"
