@@ -33,7 +33,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from report import machine, write_section  # noqa: E402
 
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 QUESTIONS = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Linus Torvalds", "Guido van Rossum", "Marie Curie",
@@ -78,7 +78,7 @@ def agents(args) -> tuple[list[str], bool]:
         return f"It is sunny and 21 degrees Celsius in {city}."
 
     path = prepare(QWEN, default_dir(cache_home(), QWEN))
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     rows, ok = [], True
     with tempfile.TemporaryDirectory(prefix="swarm-agents-") as root, LocalSwarm(Path(root)) as net:
         url = swarm_api(net, path, model_id, "--context-length", "2048")
@@ -131,7 +131,7 @@ def cost(args) -> tuple[list[str], bool]:
     from swarm.local.launch import LocalSwarm
 
     path = demo_path()
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     schema = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
                                                "genres": {"type": "array", "items": {"type": "string"}}},
               "required": ["title", "year", "genres"]}
@@ -172,7 +172,7 @@ def evaluate(args) -> tuple[list[str], bool]:
     from swarm.local.launch import LocalSwarm
 
     path = demo_path()
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     data = REPO / "tests" / "data" / "lm_eval" / "questions.jsonl"
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-eval-") as root, LocalSwarm(Path(root)) as net:

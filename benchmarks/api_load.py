@@ -35,7 +35,7 @@ from report import machine, write_section  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
 from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.local.launch import LocalSwarm  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
 
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens of every request")
     args = parser.parse_args()
     path = prepare_demo_model(default_demo_dir(cache_home()))
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-bench-") as root, LocalSwarm(Path(root)) as net:
         start_swarm(net, path, 3, "float32", model_id)

@@ -40,7 +40,7 @@ from report import machine, write_section  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
 from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.local.launch import LocalSwarm  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 PROMPT = "Give three tips for staying healthy."
 FAULT_AFTER = 16
@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
 
     path = prepare_demo_model(default_demo_dir(cache_home()))
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                          add_generation_prompt=True)

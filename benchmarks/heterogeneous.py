@@ -57,7 +57,7 @@ from swarm.model.checkpoint import Checkpoint  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
 from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.local.launch import LocalSwarm, cpu_quota_supported, wait_until  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -178,7 +178,7 @@ def main() -> None:
     if not cpu_quota_supported():
         sys.exit("needs root and the cgroup v1 cpu controller (/sys/fs/cgroup/cpu)")
     path = prepare_demo_model(default_demo_dir(cache_home()))
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     orders = list(itertools.permutations(("fast", "mid", "slow")))
     if args.orders == "rotations":
         orders = [("fast", "mid", "slow"), ("mid", "slow", "fast"), ("slow", "fast", "mid")]

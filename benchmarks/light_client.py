@@ -90,7 +90,7 @@ def main() -> int:
     from swarm.cli import cache_home
     from swarm.local.demo_model import default_demo_dir, prepare_demo_model
     from swarm.local.launch import LocalSwarm
-    from swarm.net.records import default_model_id
+    from swarm.weights.models import local_model_id
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -101,7 +101,7 @@ def main() -> int:
     names = {"p2pd": "full client (hivemind's p2pd)", "libp2p": "light client (py-libp2p)"}
     results: dict[str, list[dict]] = {t: [] for t in names}
     with tempfile.TemporaryDirectory(prefix="swarm-light-") as root, LocalSwarm(Path(root)) as net:
-        start_swarm(net, path, 3, "float32", default_model_id(path))
+        start_swarm(net, path, 3, "float32", local_model_id(path))
         for run in range(args.runs + 1):  # the first round warms the peers; not counted
             for transport in names:
                 got = run_client(path, transport, args.tokens, net.bootstrap_addrs)

@@ -51,7 +51,7 @@ from client.demo import DEMO_CACHE_TOKENS, threads_per_peer  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
 from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.local.launch import LocalSwarm  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 from swarm.span import Span  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "english.txt"
@@ -94,7 +94,7 @@ def swarm(path: Path, peer_args: list[str], rtt_ms: float = 0.0, rate_mbit: floa
                 proxy = ProxyProcess(list(real.values()), rtt_ms=rtt_ms, rate_mbit=rate_mbit)
                 extra = {n: ["--port", str(real[n]), "--announce-port", str(proxy.ports[real[n]])] for n in names}
             for name, span in zip(names, SPANS):
-                net.start_peer(name, path, "--blocks", span, "--model-id", default_model_id(path), "--cache-tokens",
+                net.start_peer(name, path, "--blocks", span, "--model-id", local_model_id(path), "--cache-tokens",
                                str(DEMO_CACHE_TOKENS), "--threads", str(threads_per_peer(len(SPANS))), *peer_args,
                                *extra[name], wait=False)
             for name in names:
@@ -109,7 +109,7 @@ def swarm(path: Path, peer_args: list[str], rtt_ms: float = 0.0, rate_mbit: floa
 def client(net: LocalSwarm, path: Path, **options):
     from client.model import DistributedModelForCausalLM
 
-    return DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=default_model_id(path),
+    return DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=local_model_id(path),
                                                        **options)
 
 

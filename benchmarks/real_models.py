@@ -37,14 +37,14 @@ def run(name: str, tokens: int) -> list[dict]:
     from client.demo import start_swarm
     from client.model import DistributedModelForCausalLM
     from swarm.local.launch import LocalSwarm
-    from swarm.net.records import default_model_id
+    from swarm.weights.models import local_model_id
 
     path = prepare(name, default_dir(cache_home(), name))
     tokenizer = AutoTokenizer.from_pretrained(path)
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-real-") as root, LocalSwarm(Path(root)) as net:
-        model_id = default_model_id(path)
+        model_id = local_model_id(path)
         start_swarm(net, path, 3, "float32", model_id)
         with DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=model_id) as remote:
             route = " ".join(str(h.span) for h in remote.route())

@@ -38,7 +38,7 @@ from swarm.model.checkpoint import Checkpoint  # noqa: E402
 from swarm.cli import cache_home  # noqa: E402
 from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.local.launch import LocalSwarm  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 CACHE_TOKENS = 2048
 NEW_TOKENS = 48
@@ -108,7 +108,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     path = prepare_demo_model(default_demo_dir(cache_home()))
-    model_id = default_model_id(path)
+    model_id = local_model_id(path)
     prompt = AutoTokenizer.from_pretrained(path)("The history of the lighthouse", return_tensors="pt").input_ids
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-recovery-") as tmp:

@@ -22,11 +22,11 @@ def demo_model():
 
     from swarm.cli import cache_home
     from swarm.local.demo_model import default_demo_dir, prepare_demo_model
-    from swarm.net.records import default_model_id
+    from swarm.weights.models import local_model_id
 
     path = prepare_demo_model(default_demo_dir(cache_home()))
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return path, default_model_id(path), AutoTokenizer.from_pretrained(path), local
+    return path, local_model_id(path), AutoTokenizer.from_pretrained(path), local
 
 
 def write_section(name: str, lines: list[str], doc: Path | None = None) -> str:

@@ -49,7 +49,7 @@ from delay_proxy import ProxyProcess  # noqa: E402
 from report import machine, write_section  # noqa: E402
 from swarm.model.checkpoint import Checkpoint  # noqa: E402
 from swarm.local.launch import LocalSwarm, pid_alive  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 MODES = ("chained", "relayed")
 SECTION_MODELS = {"loopback": ("demo", "large"), "wan": ("demo",)}
@@ -93,7 +93,7 @@ def swarm(model: BenchModel, spans: list[str], root: Path, started: set[int], pr
             ports = {name: proxy.ports[real[name]] for name in names}
         for name, span in zip(names, spans):
             extra = ["--port", str(real[name]), "--announce-port", str(ports[name])] if proxied else []
-            net.start_peer(name, model.path, "--blocks", span, "--model-id", default_model_id(model.path),
+            net.start_peer(name, model.path, "--blocks", span, "--model-id", local_model_id(model.path),
                            "--cache-tokens", str(CACHE_TOKENS), *extra, wait=False)
         for name in names:
             net.wait_serving(net.procs[name], timeout=900)
@@ -117,7 +117,7 @@ def clients(model: BenchModel, sw: Swarm, modes: list[str], started: set[int]):
     try:
         for mode in modes:
             remotes[mode] = DistributedModelForCausalLM.from_pretrained(
-                model.path, sw.net.bootstrap_addrs, model_id=default_model_id(model.path), chain=mode == "chained")
+                model.path, sw.net.bootstrap_addrs, model_id=local_model_id(model.path), chain=mode == "chained")
             started.add(remotes[mode].connection.node.daemon_pid)
         yield remotes
     finally:

@@ -47,7 +47,7 @@ from swarm.cli import cache_home  # noqa: E402
 from swarm.local.demo_model import default_demo_dir, prepare_demo_model  # noqa: E402
 from swarm.errors import Rewound  # noqa: E402
 from swarm.local.launch import LocalSwarm  # noqa: E402
-from swarm.net.records import default_model_id  # noqa: E402
+from swarm.weights.models import local_model_id  # noqa: E402
 
 PROMPT = "Give three tips for staying healthy."
 
@@ -59,7 +59,7 @@ def log(message: str) -> None:
 def start(net: LocalSwarm, path: Path, programs: dict[str, tuple[str, ...]]) -> None:
     net.start_bootstrap()
     for name, program in programs.items():
-        net.start_peer(name, path, "--blocks", "0:30", "--model-id", default_model_id(path), "--cache-tokens",
+        net.start_peer(name, path, "--blocks", "0:30", "--model-id", local_model_id(path), "--cache-tokens",
                        str(DEMO_CACHE_TOKENS), "--threads", "1", wait=False, program=program)
     for name in programs:
         net.wait_serving(net.procs[name], timeout=600)
@@ -68,7 +68,7 @@ def start(net: LocalSwarm, path: Path, programs: dict[str, tuple[str, ...]]) -> 
 def client(net: LocalSwarm, path: Path, **options):
     from client.model import DistributedModelForCausalLM
 
-    return DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=default_model_id(path),
+    return DistributedModelForCausalLM.from_pretrained(path, net.bootstrap_addrs, model_id=local_model_id(path),
                                                        **options)
 
 
@@ -194,7 +194,7 @@ async def hog_sessions(node, net: LocalSwarm, path: Path, prompt: int, limit: in
         about = await info(node, peer)
         for _ in range(limit):
             try:
-                session = await PeerSession.open(node, peer, default_model_id(path), Span(about.start, about.end),
+                session = await PeerSession.open(node, peer, local_model_id(path), Span(about.start, about.end),
                                                  max_length=about.max_length)
                 await session.step(torch.randn(1, prompt, about.hidden_size), 0)
             except SwarmError:
@@ -255,7 +255,7 @@ def fair(path: Path, args) -> list[str]:
         return statistics.median(times)
 
     with tempfile.TemporaryDirectory(prefix="swarm-trust-") as root, LocalSwarm(Path(root)) as net:
-        start_swarm(net, path, 3, "float32", default_model_id(path))
+        start_swarm(net, path, 3, "float32", local_model_id(path))
         with client(net, path) as model:
             model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm
             idle = ttfts(model)
