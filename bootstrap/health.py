@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from swarm.net.records import Announcement
 from swarm.net.transport import describe_peer
+from swarm.net.view import count_blocks
 from swarm.net.messages import Info
 
 SCHEMA_VERSION = 1
@@ -140,12 +140,6 @@ def model_view(model: str, num_blocks: int, peers: Sequence[PeerView]) -> ModelV
                 serving[block] += 1
     return ModelView(model, num_blocks, tuple(sorted(peers, key=lambda p: (p.start, p.end, p.peer))), tuple(serving),
                      tuple(b for b, n in enumerate(serving) if n == 0))
-
-
-def count_blocks(anns: Sequence[Announcement]) -> int:
-    """The number of blocks most of `anns` announce (a tie: the larger), never less than their largest end."""
-    votes = Counter(a.num_blocks for a in anns)
-    return max(max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0], max(a.end for a in anns))
 
 
 def list_models(seen: Mapping[str, ModelMemory], anns: Sequence[Announcement],

@@ -241,9 +241,42 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from client.connection import SwarmConnection
+    """One model's peers (`--model`, or `--model-id` with `--num-blocks`), or, given neither, every model of
+    the swarm: its blocks covered and its peers online."""
+    from client.connection import JOIN_TIMEOUT, SwarmConnection, joined_node
+    from client.inference.survey import survey
+    from client.loop import LoopThread
     from swarm.model.checkpoint import Checkpoint
+
+    def peer_json(p) -> dict:
+        return {"peer": p.peer, "start": p.span.start, "end": p.span.end, "state": p.state, "throughput": p.throughput,
+                "cache_tokens_left": p.cache_tokens_left, "version": p.version,
+                "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
+                "sessions": p.sessions, "queued": p.queued, "since": p.since, "links": p.links, "device": p.device,
+                "dtype": p.dtype, "quant": p.quant, "digest": p.digest}
+
     config = from_args(ClientConfig, args)
+    if args.model is None and not config.model_id and args.num_blocks is None:  # every model of the swarm
+        async def every_model():
+            async with joined_node(config) as node:
+                return await survey(node, config)
+
+        with LoopThread("swarm-status") as loop:
+            models = loop.run(every_model(), timeout=JOIN_TIMEOUT + 60)
+        if args.json:
+            print(json.dumps({"models": [
+                {"model": m.model, "num_blocks": m.num_blocks, "covered": m.covered, "uncovered": m.uncovered,
+                 "online": m.online, "peers": [peer_json(p) for p in m.peers]} for m in models]}, indent=2))
+            return 0
+        if not models:
+            print("no model is announced in the swarm")
+            return 0
+        print(f"{len(models)} model{'s' if len(models) > 1 else ''} in the swarm")
+        print(f"{'MODEL':<40} {'BLOCKS COVERED':>14} {'PEERS ONLINE':>12}  UNCOVERED")
+        for m in models:
+            print(f"{m.model:<40} {f'{m.covered}/{m.num_blocks}':>14} {f'{m.online}/{len(m.peers)}':>12}  "
+                  + (", ".join(map(str, m.uncovered)) if m.uncovered else "none"))
+        return 0
     digest = None
     if args.num_blocks is not None:
         if not config.model_id:
@@ -259,13 +292,8 @@ def run_status(args: argparse.Namespace) -> int:
     finally:
         connection.close()
     if args.json:
-        print(json.dumps({"model": model_id, "num_blocks": num_blocks, "uncovered": uncovered, "peers": [
-            {"peer": p.peer, "start": p.span.start, "end": p.span.end, "state": p.state, "throughput": p.throughput,
-             "cache_tokens_left": p.cache_tokens_left, "version": p.version,
-             "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
-             "sessions": p.sessions, "queued": p.queued, "since": p.since, "links": p.links, "device": p.device,
-             "dtype": p.dtype, "quant": p.quant, "digest": p.digest} for p in peers]},
-            indent=2))
+        print(json.dumps({"model": model_id, "num_blocks": num_blocks, "uncovered": uncovered,
+                          "peers": [peer_json(p) for p in peers]}, indent=2))
         return 0
     online = sum(p.state == "online" for p in peers)
     print(f"model {model_id}: {num_blocks} blocks, {len(peers)} peers announced, {online} online")

@@ -58,9 +58,11 @@ def register_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def register_status(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="who serves which blocks of a model, how fast, and what is uncovered",
+    p = sub.add_parser("status", help="who serves which blocks of a model, how fast, and what is uncovered; "
+                       "without a model, every model of the swarm",
                        description="Read the swarm's announcements for one model, ping every online peer, "
-                       "and print peers, their blocks, state, throughput, cache left and latency.")
+                       "and print peers, their blocks, state, throughput, cache left and latency. Without --model "
+                       "and --model-id: every model announced in the swarm, its blocks covered and peers online.")
     _client_options(p)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="the model's number of blocks, when no checkpoint is at hand (then give --model-id)")
@@ -104,13 +106,19 @@ def _load(name: str, module: str = "client.cli"):
 
 
 def register_api(sub: argparse._SubParsersAction) -> None:
-    from client.config import ApiConfig
+    from client.config import ApiConfig, ClientConfig
     from swarm.config import add_options
 
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API backed by the swarm",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming too) "
-                       "for one model whose blocks run in the swarm, and Prometheus metrics at /metrics. "
-                       "Point any OpenAI client at http://HOST:PORT/v1.")
-    _client_options(p)
+                       "for one or more models whose blocks run in the swarm (a request's `model` picks one), and "
+                       "Prometheus metrics at /metrics. Point any OpenAI client at http://HOST:PORT/v1.")
+    p.add_argument("--model", action="append", default=None, help="checkpoint directory of a model to serve: its "
+                   "config, tokenizer and head are read locally, its blocks run in the swarm; repeat it to serve "
+                   "several models (default: the prepared demo model)")
+    p.add_argument("--model-id", dest="model_ids", action="append", default=None, metavar="ID",
+                   help="the model's name in the swarm (default: the name its peers give it: its marker's, else one "
+                   "made of its weights' digest); with several --model, none or one per --model, in the same order")
+    add_options(p, ClientConfig, skip=("model_id",))
     add_options(p, ApiConfig)
     p.set_defaults(run=lambda args: _load("run_api", "client.api.gateway")(args))

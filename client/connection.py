@@ -1,5 +1,5 @@
-"""Joining a swarm as a client: `joined()`, the one way every client part does it (the SDK, the API
-gateway, the CLI), and `SwarmConnection`, a joined client driven from synchronous code.
+"""Joining a swarm as a client: `joined()` (or `joined_node()`, for several models' clients on one node),
+the one way every client part does it (the SDK, the API gateway, the CLI), and `SwarmConnection`, a joined client driven from synchronous code.
 
 The SDK's blocking API runs every coroutine on one background event loop (`LoopThread`) that owns a
 client-mode DHT node and the `SwarmClient`. One per model object; `close()` (or `with`) stops both.
@@ -46,9 +46,9 @@ def settle_heap(config: ClientConfig) -> None:
 
 
 @contextlib.asynccontextmanager
-async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
-                 settle: bool = True, digest: str | None = None) -> AsyncIterator[SwarmClient]:
-    """A `SwarmClient` for `model_id` over a fresh client-mode node (a new identity), for the block.
+async def joined_node(config: ClientConfig, *, settle: bool = True) -> AsyncIterator[Node]:
+    """A fresh client-mode node (a new identity) joined to the swarm, for the block: a DHT node on the daemon,
+    or a light node (`--transport libp2p`). Clients of several models may share it (`swarm api`).
     `settle`: run `settle_heap` here (a caller that joins in a thread of its own runs it before)."""
     require_peers(config)
     if config.transport == "libp2p":
@@ -57,9 +57,18 @@ async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
         from client.light.node import LightNode
 
         async with LightNode(config.initial_peers) as node:
-            yield SwarmClient(node, model_id, num_blocks, config, digest)
+            yield node
         return
     async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True) as node:
+        yield node
+
+
+@contextlib.asynccontextmanager
+async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
+                 settle: bool = True, digest: str | None = None) -> AsyncIterator[SwarmClient]:
+    """A `SwarmClient` for `model_id` (routing only through peers of the weights `digest`, if given) over a
+    fresh client-mode node (`joined_node`), for the block."""
+    async with joined_node(config, settle=settle) as node:
         yield SwarmClient(node, model_id, num_blocks, config, digest)
 
 

@@ -47,11 +47,13 @@ def check_dtype(dtype: str) -> None:
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {dtype!r}")
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """An option per field of `cls` with help text, but those named in `skip` (a command that parses them its
+    own way)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        if "help" not in meta:
+        if "help" not in meta or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from swarm.local.launch import LocalSwarm, Proc, pid_alive, wait_until
 
-__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "start_split", "replicated_swarm", "Fault",
-           "MODEL_ID",
+__all__ = ["LocalSwarm", "Proc", "pid_alive", "wait_until", "client_node", "start_split", "start_models",
+           "replicated_swarm", "Fault", "MODEL_ID",
            "CACHE_TOKENS", "IDLE_TIMEOUT", "MAX_SESSIONS", "PEER_OPTIONS"]
 
 
@@ -44,6 +44,19 @@ def start_split(net: LocalSwarm, model, spans=(("head-span", "0:3"), ("tail", "3
         net.start_peer(name, model, "--blocks", blocks, *PEER_OPTIONS, wait=False)
     for name, _ in spans:
         net.wait_serving(net.procs[name])
+
+
+def start_models(net: LocalSwarm, models: dict[str, tuple[Path, tuple[tuple[str, str], ...]]]) -> None:
+    """A bootstrap and the peers of several models on it: for each model id, (checkpoint, (name, blocks) of
+    each of its peers); all started together, returns once all serve."""
+    net.start_bootstrap()
+    options = PEER_OPTIONS[2:]  # without --model-id
+    for model_id, (model, spans) in models.items():
+        for name, blocks in spans:
+            net.start_peer(name, model, "--blocks", blocks, "--model-id", model_id, *options, wait=False)
+    for _, spans in models.values():
+        for name, _ in spans:
+            net.wait_serving(net.procs[name])
 
 
 REPLICATED = (("head-span", "0:3"), ("replica-a", "3:6"), ("replica-b", "3:6"))

@@ -1,7 +1,8 @@
 """Tiny random checkpoints built from configs with fixed seeds, one per decoder family under test.
 
 Each has 6 blocks so that three spans of two can be chained; sliding windows are shorter than the
-test sequences so that windowed masks matter.
+test sequences so that windowed masks matter. `build_servable_checkpoint` adds a tokenizer (one token per
+byte, then an end token), so that `swarm api` can serve the checkpoint.
 """
 
 from __future__ import annotations
@@ -44,4 +45,21 @@ def build_tiny_checkpoint(family: str, directory: Path, seed: int = 0, max_shard
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+def build_servable_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
+    """A tiny checkpoint with a tokenizer saved beside it: one token per byte (byte-level, no merges), then
+    `<eos>`, the model's end token (its vocabulary is 257 tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    build_tiny_checkpoint(family, directory, seed, vocab_size=len(vocab), eos_token_id=vocab["<eos>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(directory)
     return directory

@@ -25,3 +25,9 @@ class ApiError(Exception):
 
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
+
+
+def model_not_found(model: str, served: list[str]) -> ApiError:
+    """OpenAI's answer to a model it does not serve: 404, `model_not_found`."""
+    return ApiError(404, f"the model '{model}' does not exist here; this server serves "
+                    f"{', '.join(repr(m) for m in served)}", param="model", code="model_not_found")

@@ -1,5 +1,11 @@
-"""`swarm api`: an OpenAI-compatible HTTP API whose model runs in the swarm. This module is the server:
+"""`swarm api`: an OpenAI-compatible HTTP API whose models run in the swarm. This module is the server:
 routes, admission (generation slots and queue), connection guards, metrics and the process.
+
+Several models: the gateway serves each `ServedModel` (`client.api.served`: its own client, head, tokenizer
+and context length) under its model id, and routes every request by its `model` field; a model it does not
+serve is a 404 `model_not_found`. The tokenizer endpoints take `model` as optional: it may be left out while
+one model is served. The generation slots and queue, the thread pools, the connection guards and the one
+DHT node are shared by every model: they bound what this process does, whatever the model.
 
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (one or more prompts),
 `POST /v1/chat/completions` (the model's chat template), `POST /v1/embeddings`, vLLM's tokenizer endpoints
@@ -29,9 +35,9 @@ and size). A client that disconnects cancels its request's task, which closes it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,15 +48,16 @@ from aiohttp import web
 
 from client.api import chat_page, embeddings as api_embeddings, tokenizer as api_tokenizer, tools as api_tools
 
-from client import grammar
-from client.api.requests import CHARS_PER_TOKEN, ApiError, Common, invalid, parse_chat, parse_completion
+from client.api.errors import model_not_found
+from client.api.requests import ApiError, Common, invalid, parse_chat, parse_completion
 from client.api.metrics import ApiMetrics
 from client.api.responses import ResponseBodies
+from client.api.served import ServedModel, load, served_models
 from client.api.stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
-from client.generation import Generation, stop_token_ids
+from client.generation import Generation
 from client.sampling import Sampling
-from client.connection import joined, require_peers
+from client.connection import joined_node, require_peers
 from client.inference.swarm_client import SwarmClient
 from swarm import http, metrics
 from swarm.errors import SwarmError
@@ -62,12 +69,13 @@ KEEPALIVE_S = 5.0  # seconds between SSE comments while a started stream waits f
 
 
 class Gateway:
-    """The HTTP application over one model of the swarm (see the module docstring)."""
+    """The HTTP application over some models of the swarm (see the module docstring)."""
 
-    def __init__(self, config: ApiConfig, client: SwarmClient, head, tokenizer, model_id: str, context_length: int,
-                 end_tokens: list[int]):
-        self.config, self.client, self.head, self.tokenizer = config, client, head, tokenizer
-        self.model_id, self.context_length, self.end_tokens = model_id, context_length, end_tokens
+    def __init__(self, config: ApiConfig, models: list[ServedModel]):
+        if not models:
+            raise ValueError("a gateway serves at least one model")
+        self.config = config
+        self.served = {m.model_id: m for m in models}  # in the order given, as /v1/models lists them
         self.created = int(time.time())
         self.limits = config.limits
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="api-head")
@@ -149,16 +157,22 @@ class Gateway:
             response = ApiError(500, "internal error", type="server_error", code="internal").response()
         return response
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        """The request's JSON object, for the served model."""
-        body = await self._json(request)
-        model = body.get("model")
+    def _pick(self, model: Any, required: bool = True) -> ServedModel:
+        """The served model a request names (`model`; when not `required`, None names the only one served)."""
+        if model is None and not required and len(self.served) == 1:
+            return next(iter(self.served.values()))
         if not isinstance(model, str) or not model:
-            raise invalid("model", "'model' is required: a string naming the model")
-        if model != self.model_id:
-            raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
-        return body
+            several = "" if len(self.served) == 1 else \
+                f" (this server serves several: {', '.join(repr(m) for m in self.served)})"
+            raise invalid("model", f"'model' is required: a string naming the model{several}")
+        if model not in self.served:
+            raise model_not_found(model, list(self.served))
+        return self.served[model]
+
+    async def _body(self, request: web.Request) -> tuple[dict[str, Any], ServedModel]:
+        """The request's JSON object, and the served model it names."""
+        body = await self._json(request)
+        return body, self._pick(body.get("model"))
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -174,140 +188,112 @@ class Gateway:
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         return body
 
-    async def _tokenize(self, chars: int, param: str, fn: Callable) -> list[int]:
-        if chars > self.context_length * CHARS_PER_TOKEN:
-            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
-                           f"{param} has {chars} characters", param=param, code="context_length_exceeded")
+    async def _tokenize(self, served: ServedModel, chars: int, param: str, fn: Callable) -> list[int]:
+        served.check_chars(chars, param)
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn)
-
-    def _max_tokens(self, common: Common, prompt: list[int], default_max: int, param: str) -> int:
-        """The completion's max_tokens (`default_max` if not given, at most what the context leaves), after
-        checking the prompt against the context length."""
-        room = self.context_length - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
-                           f"{param} has {len(prompt)}", param=param, code="context_length_exceeded")
-        max_tokens = common.max_tokens if common.max_tokens is not None else min(default_max, room)
-        if max_tokens > room:
-            raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; you asked "
-                           f"for {len(prompt) + max_tokens} ({len(prompt)} in the {param}, {max_tokens} in the "
-                           "completion)", param=common.max_tokens_param, code="context_length_exceeded")
-        return max_tokens
 
     # ---- endpoints ----
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "swarm"}
-
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [m.card(self.created) for m in self.served.values()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.model_id:
-            raise ApiError(404, f"the model '{request.match_info['model']}' does not exist here", param="model",
-                           code="model_not_found")
-        return web.json_response(self._model_card())
+        return web.json_response(self._pick(request.match_info["model"]).card(self.created))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        req = parse_completion(body, self.config, self.head.vocab_size)
+        body, served = await self._body(request)
+        req = parse_completion(body, self.config, served.vocab_size)
+        tokenizer = served.tokenizer
         prompts = []
         for i, prompt in enumerate(req.prompts):
             param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                ids = await self._tokenize(len(prompt), param, lambda p=prompt: self.tokenizer(p).input_ids)
+                ids = await self._tokenize(served, len(prompt), param, lambda p=prompt: tokenizer(p).input_ids)
                 if not ids:
                     raise invalid(param, "the prompt is empty")
             else:
                 ids = list(prompt)
-            prompts.append((ids, self._max_tokens(req.common, ids, 16, param)))  # OpenAI's default for completions
+            prompts.append((ids, served.max_tokens(req.common, ids, 16, param)))  # OpenAI's default for completions
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else self.tokenizer.decode(list(p)) for p in req.prompts]
-        bodies = ResponseBodies("text_completion", self.model_id, req.common.sampling.n, self.tokenizer,
+            echo = [p if isinstance(p, str) else tokenizer.decode(list(p)) for p in req.prompts]
+        bodies = ResponseBodies("text_completion", served.model_id, req.common.sampling.n, tokenizer,
                                 logprobs=req.logprobs, echo=echo)
-        shape = await self._grammar(req.common.structure, None)
+        shape = await self._grammar(served, req.common.structure, None)
         samplings = [req.common.settled(max_tokens, logprobs=req.logprobs, grammar=shape,
                                         prompt_logprobs=req.echo and req.logprobs is not None,
                                         speculate=self.config.speculative_tokens)
                      for _, max_tokens in prompts]
-        return await self._generate(request, bodies, [ids for ids, _ in prompts], samplings, req.common)
+        return await self._generate(request, served, bodies, [ids for ids, _ in prompts], samplings, req.common)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body, served = await self._body(request)
         req = parse_chat(body, self.config)
-        if not self.tokenizer.chat_template:
-            raise ApiError(400, f"the model '{self.model_id}' has no chat template: use /v1/completions",
-                           code="no_chat_template")
+        served.check_chat_template()
         tools = [] if req.tools is None else list(req.tools.tools)
         if tools:
-            api_tools.check_template(self.tokenizer, self.model_id)
+            api_tools.check_template(served.tokenizer, served.model_id)
         chars = sum(len(m["content"]) for m in req.messages) + len(json.dumps(tools))
-        ids = await self._tokenize(chars, "messages", lambda: self._chat_ids(req.messages, tools=tools))
-        max_tokens = self._max_tokens(req.common, ids, self.config.max_tokens, "messages")
-        bodies = ResponseBodies("chat.completion", self.model_id, req.common.sampling.n, self.tokenizer,
+        ids = await self._tokenize(served, chars, "messages", lambda: served.chat_ids(req.messages, tools=tools))
+        max_tokens = served.max_tokens(req.common, ids, self.config.max_tokens, "messages")
+        bodies = ResponseBodies("chat.completion", served.model_id, req.common.sampling.n, served.tokenizer,
                                 logprobs=req.logprobs, tools=req.tools)
-        shape = await self._grammar(req.common.structure, req.tools)
+        shape = await self._grammar(served, req.common.structure, req.tools)
         sampling = req.common.settled(max_tokens, logprobs=req.logprobs, grammar=shape,
                                       speculate=self.config.speculative_tokens)
-        return await self._generate(request, bodies, [ids], [sampling], req.common)
+        return await self._generate(request, served, bodies, [ids], [sampling], req.common)
 
-    async def _grammar(self, structure: tuple[str, Any] | None, tools: api_tools.Tools | None) -> Any:
+    async def _grammar(self, served: ServedModel, structure: tuple[str, Any] | None,
+                       tools: api_tools.Tools | None) -> Any:
         return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizing, api_tools.output_grammar, structure, tools, self.tokenizer, self.head.vocab_size,
-            self.end_tokens)
+            self.tokenizing, api_tools.output_grammar, structure, tools, served.tokenizer, served.vocab_size,
+            served.end_tokens)
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        req = api_embeddings.parse_embeddings(await self._body(request), self.head.vocab_size)
+        body, served = await self._body(request)
+        req = api_embeddings.parse_embeddings(body, served.vocab_size)
         ids = []
         for i, item in enumerate(req.inputs):
             param = "input" if len(req.inputs) == 1 else f"input[{i}]"
             tokens = list(item) if not isinstance(item, str) else await self._tokenize(
-                len(item), param, lambda t=item: self.tokenizer(t).input_ids)
-            if not 0 < len(tokens) <= self.context_length:
-                raise ApiError(400, f"this model's maximum context length is {self.context_length} tokens; the "
+                served, len(item), param, lambda t=item: served.tokenizer(t).input_ids)
+            if not 0 < len(tokens) <= served.context_length:
+                raise ApiError(400, f"this model's maximum context length is {served.context_length} tokens; the "
                                f"{param} has {len(tokens)}", param=param, code="context_length_exceeded")
             ids.append(tokens)
         await self._slot()
         self.running += 1
         try:
-            vectors = await api_embeddings.embed_all(self.client, self.head, self.executor, ids)
+            vectors = await api_embeddings.embed_all(served.client, served.head, self.executor, ids)
         except SwarmError as e:
             raise api_error(e, self.config.retry_after) from None
         finally:
             self.running -= 1
             self.slots.release()
-        self.metrics.tokens.labels("prompt").inc(sum(map(len, ids)))
-        return web.json_response(api_embeddings.answer(self.model_id, vectors, req.base64, sum(map(len, ids))))
+        self.metrics.tokens.labels("prompt", served.model_id).inc(sum(map(len, ids)))
+        return web.json_response(api_embeddings.answer(served.model_id, vectors, req.base64, sum(map(len, ids))))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        kind, what, flag, strs = api_tokenizer.tokenize_request(await self._json(request), self.model_id)
+        body = await self._json(request)
+        served = self._pick(body.get("model"), required=False)
+        kind, what, flag, strs = api_tokenizer.tokenize_request(body)
         if kind == "messages":
-            if not self.tokenizer.chat_template:
-                raise ApiError(400, f"the model '{self.model_id}' has no chat template", code="no_chat_template")
-            ids = await self._tokenize(sum(len(m["content"]) for m in what), "messages",
-                                       lambda: self._chat_ids(what, add_generation_prompt=flag))
+            served.check_chat_template()
+            ids = await self._tokenize(served, sum(len(m["content"]) for m in what), "messages",
+                                       lambda: served.chat_ids(what, add_generation_prompt=flag))
         else:
-            ids = await self._tokenize(len(what), "prompt",
-                                       lambda: self.tokenizer(what, add_special_tokens=flag).input_ids)
-        return web.json_response(api_tokenizer.tokenize_answer(self.tokenizer, ids, self.context_length, strs))
+            ids = await self._tokenize(served, len(what), "prompt",
+                                       lambda: served.tokenizer(what, add_special_tokens=flag).input_ids)
+        return web.json_response(api_tokenizer.tokenize_answer(served.tokenizer, ids, served.context_length, strs))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return web.json_response(api_tokenizer.detokenize(await self._json(request), self.model_id, self.tokenizer,
-                                                          self.head.vocab_size))
+        body = await self._json(request)
+        served = self._pick(body.get("model"), required=False)
+        return web.json_response(api_tokenizer.detokenize(body, served.tokenizer, served.vocab_size))
 
-    async def tokenizer_info(self, _request: web.Request) -> web.Response:
-        return web.json_response(api_tokenizer.tokenizer_info(self.tokenizer, self.context_length))
-
-    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
-        from jinja2 import TemplateError
-
-        try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                           tools=tools or None, tokenize=True,
-                                                           return_dict=True)["input_ids"])
-        except (TemplateError, ValueError, TypeError) as e:  # templates refuse, e.g., a system role
-            raise invalid("messages", f"the model's chat template refused these messages: {e}") from None
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        served = self._pick(request.query.get("model"), required=False)
+        return web.json_response(api_tokenizer.tokenizer_info(served.tokenizer, served.context_length))
 
     # ---- generation ----
 
@@ -322,14 +308,15 @@ class Gateway:
         finally:
             self.waiting -= 1
 
-    async def _generate(self, request: web.Request, bodies: ResponseBodies, prompts: list[list[int]],
-                        samplings: list[Sampling], common: Common) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, served: ServedModel, bodies: ResponseBodies,
+                        prompts: list[list[int]], samplings: list[Sampling], common: Common) -> web.StreamResponse:
         endpoint = "/v1/chat/completions" if bodies.chat else "/v1/completions"
+        model = served.model_id
         await self._slot()
         self.running += 1
         started = time.perf_counter()
-        gens = [Generation(self.client, self.head, self.tokenizer, self.executor, ids, sampling, self.end_tokens)
-                for ids, sampling in zip(prompts, samplings)]
+        gens = [Generation(served.client, served.head, served.tokenizer, self.executor, ids, sampling,
+                           served.end_tokens) for ids, sampling in zip(prompts, samplings)]
         runs = Runs(gens)
         try:
             try:
@@ -348,30 +335,30 @@ class Gateway:
                         sum(g.completion_tokens for g in gens), e if isinstance(e, ClientGone) else "disconnected")
             raise
         finally:
-            self.metrics.seconds.labels(endpoint).observe(time.perf_counter() - started)
-            self.metrics.tokens.labels("prompt").inc(sum(g.prompt_tokens for g in gens))
-            self.metrics.tokens.labels("completion").inc(sum(g.completion_tokens for g in gens))
+            self.metrics.seconds.labels(endpoint, model).observe(time.perf_counter() - started)
+            self.metrics.tokens.labels("prompt", model).inc(sum(g.prompt_tokens for g in gens))
+            self.metrics.tokens.labels("completion", model).inc(sum(g.completion_tokens for g in gens))
             accepted = sum(g.accepted for g in gens)
             self.metrics.drafts.labels("accepted").inc(accepted)
             self.metrics.drafts.labels("rejected").inc(sum(g.drafted for g in gens) - accepted)
             failovers = [f for g in gens for f in g.failovers]
             for f in failovers:
-                self.metrics.failovers.labels(f.reason).inc()
-            logger.info("%s: %d prompt + %d completion tokens in %.2f s (first token %.2f s)%s", endpoint,
+                self.metrics.failovers.labels(f.reason, model).inc()
+            logger.info("%s %s: %d prompt + %d completion tokens in %.2f s (first token %.2f s)%s", endpoint, model,
                         sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
                         time.perf_counter() - started, max(g.first_token_s or 0.0 for g in gens),
                         f", {len(failovers)} failovers" if failovers else "")
 
-    def _timed(self, last: list[float]) -> None:
+    def _timed(self, last: list[float], model: str) -> None:
         now = time.perf_counter()
-        self.metrics.token_seconds.observe(now - last[0])
+        self.metrics.token_seconds.labels(model).observe(now - last[0])
         last[0] = now
 
     async def _respond(self, request: web.Request, runs: Runs, out: ResponseBodies, stream: bool,
                        include_usage: bool) -> web.StreamResponse:
         try:  # every prompt runs before any header is sent, so its errors keep their status
             first = await runs.first()
-            self.metrics.ttft.observe(max(g.first_token_s or 0.0 for g in runs.gens))
+            self.metrics.ttft.labels(out.model).observe(max(g.first_token_s or 0.0 for g in runs.gens))
             if not stream:
                 await runs.drain()
                 return web.json_response(out.whole(runs.gens))
@@ -394,7 +381,7 @@ class Gateway:
                     if runs.waiting:  # a generation waits for blocks: keep the connection open
                         await writer.send_raw(f": {runs.waiting}\n\n".encode())
                     continue
-                self._timed(last)
+                self._timed(last, out.model)
                 for p, deltas in made:
                     for chunk in out.chunks(p, deltas):
                         await writer.send(chunk)
@@ -414,56 +401,38 @@ class Gateway:
 
 # ---- the process ----
 
-def context_length_of(model_config, configured: int | None) -> int:
-    native = getattr(model_config, "max_position_embeddings", None) or 4096
-    return configured if configured is not None else min(int(native), 4096)
-
-
-async def serve(config: ApiConfig, client_config: ClientConfig, path: Path, stop: asyncio.Event,
+async def serve(config: ApiConfig, client_config: ClientConfig, models: list[tuple[Path, str]], stop: asyncio.Event,
                 on_ready: Callable[[str], None] | None = None) -> None:
-    """Run the gateway for the checkpoint at `path` until `stop` is set."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from swarm.model.checkpoint import Checkpoint
-    from swarm.model.head import ModelHead
-    from swarm.model.precision import Precision
-    from swarm.weights.models import local_model_id
-
-    require_peers(client_config)  # before the head loads
-    loop = asyncio.get_running_loop()
-    ckpt = await loop.run_in_executor(None, Checkpoint, path)
-    model_id = client_config.model_id or local_model_id(path)
-    where = Precision.of(client_config.device, client_config.dtype)
-    head = await loop.run_in_executor(None, lambda: ModelHead(ckpt, dtype=where.dtype, device=where.device))
-    tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
-    generation_config = GenerationConfig.from_pretrained(path) if (Path(path) / "generation_config.json").exists() \
-        else None
-    end_tokens = stop_token_ids(tokenizer, generation_config)
-    # the grammar engine's view of the vocabulary, built once now rather than on the first structured request
-    await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
-    async with joined(model_id, ckpt.num_blocks, client_config) as client:
-        gateway = Gateway(config, client, head, tokenizer, model_id, context_length_of(ckpt.config, config.context_length),
-                          end_tokens)
+    """Run the gateway for `models` ((checkpoint directory, model id) each) until `stop` is set: each model's
+    head and tokenizer load one after another, then one client node joins the swarm for all of them."""
+    require_peers(client_config)  # before the heads load
+    loaded = []
+    for path, model_id in models:
+        loaded.append(await load(path, model_id, config, client_config))
+        logger.info("loaded %s (%d blocks in the swarm; context %d tokens)", model_id, loaded[-1].num_blocks,
+                    loaded[-1].context_length)
+    async with joined_node(client_config) as node:
+        served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config))
+                  for m in loaded]
+        gateway = Gateway(config, served)
         try:
             gateway.server = await http.start(gateway.app(), config.host, config.port, gateway.limits, what="the API")
             url = f"{gateway.server.url}/v1"
-            logger.info("api at %s serving model %s (%d blocks in the swarm; context %d tokens)", url, model_id,
-                        ckpt.num_blocks, gateway.context_length)
+            logger.info("api at %s serving %s", url, ", ".join(m.model_id for m in served))
             print(f"api at {url}", flush=True)
             if on_ready is not None:
                 on_ready(url)
             await stop.wait()
         finally:
             await gateway.close()
+            logger.info("api closed: %s", ", ".join(m.model_id for m in served))
 
 
 def run_api(args) -> int:
-    from client.cli import model_path
     from swarm.config import from_args
     from swarm.signals import run_until_signal
 
     config = from_args(ApiConfig, args)
     client_config = from_args(ClientConfig, args)
-    path = model_path(args)
-    print(f"[api] loading the head of {path}", file=sys.stderr, flush=True)
-    return run_until_signal(lambda stop: serve(config, client_config, path, stop))
+    models = served_models(args.model, args.model_ids, args.cache_home)
+    return run_until_signal(lambda stop: serve(config, client_config, models, stop))

@@ -1,5 +1,7 @@
 """The gateway's Prometheus metrics (`GET /metrics`): requests, tokens, latencies, failovers and
-cancellations, and the state of its slots and connections read when scraped."""
+cancellations, and the state of its slots and connections read when scraped. What a generation of one model
+does (tokens, latencies, failovers) carries a `model` label; what the gateway shares between its models
+(requests by endpoint and status, slots, connections, drafts, cancellations) does not."""
 
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ class ApiMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("swarm_api_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.tokens = Counter("swarm_api_tokens", "tokens processed, prompt and completion", ["kind"], registry=r)
-        self.seconds = Histogram("swarm_api_request_seconds", "time to answer a generation request, whole",
-                                 ["endpoint"], buckets=metrics.LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("swarm_api_time_to_first_token_seconds", "from a generation's start to its first "
-                              "token (prompt through every block, then sampling)", buckets=metrics.LATENCY_BUCKETS,
+        self.tokens = Counter("swarm_api_tokens", "tokens processed, prompt and completion", ["kind", "model"],
                               registry=r)
+        self.seconds = Histogram("swarm_api_request_seconds", "time to answer a generation request, whole",
+                                 ["endpoint", "model"], buckets=metrics.LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("swarm_api_time_to_first_token_seconds", "from a generation's start to its first "
+                              "token (prompt through every block, then sampling)", ["model"],
+                              buckets=metrics.LATENCY_BUCKETS, registry=r)
         self.token_seconds = Histogram("swarm_api_token_seconds", "time between consecutive tokens of a "
-                                       "generation", buckets=metrics.LATENCY_BUCKETS, registry=r)
-        self.failovers = Counter("swarm_api_failovers", "peers replaced during generations", ["reason"], registry=r)
+                                       "generation", ["model"], buckets=metrics.LATENCY_BUCKETS, registry=r)
+        self.failovers = Counter("swarm_api_failovers", "peers replaced during generations", ["reason", "model"],
+                                 registry=r)
         self.drafts = Counter("swarm_api_drafted_tokens", "tokens drafted by prompt lookup (speculative decoding), "
                               "by whether the model kept them", ["outcome"], registry=r)
         self.cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",

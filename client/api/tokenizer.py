@@ -1,20 +1,14 @@
 """The gateway's tokenizer endpoints, in vLLM's shapes, so harnesses can count and split tokens remotely:
 `POST /tokenize` (a prompt, or chat messages through the chat template), `POST /detokenize`, and
 `GET /tokenizer_info` (special tokens and the chat template). `model` is optional here (harnesses send
-none); when given it must be the served model. Pure request/response logic over the local tokenizer."""
+none) while the gateway serves one model; the gateway picks the model's tokenizer. Pure request/response
+logic over the local tokenizer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from client.api.requests import ApiError, checked_text, invalid, parse_messages
-
-
-def _model(body: dict, model_id: str) -> None:
-    model = body.get("model")
-    if model is not None and model != model_id:
-        raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{model_id}'",
-                       param="model", code="model_not_found")
+from client.api.requests import checked_text, invalid, parse_messages
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -24,10 +18,9 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def tokenize_request(body: dict, model_id: str) -> tuple[str, Any, bool, bool]:
+def tokenize_request(body: dict) -> tuple[str, Any, bool, bool]:
     """What to tokenize: ("prompt", text, add_special_tokens, return_token_strs) or ("messages", messages,
     add_generation_prompt, return_token_strs)."""
-    _model(body, model_id)
     strs = _flag(body, "return_token_strs", False)
     if "messages" in body:
         return "messages", parse_messages(body), _flag(body, "add_generation_prompt", True), strs
@@ -44,8 +37,7 @@ def tokenize_answer(tokenizer, ids: list[int], context_length: int, strs: bool) 
     return out
 
 
-def detokenize(body: dict, model_id: str, tokenizer, vocab_size: int) -> dict[str, Any]:
-    _model(body, model_id)
+def detokenize(body: dict, tokenizer, vocab_size: int) -> dict[str, Any]:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise invalid("tokens", "'tokens' must be a list of token ids")

@@ -1,12 +1,14 @@
 """The swarm as its announcements show it: which peer serves which blocks, online or claimed.
 
 Pure functions over the records found under each block (`swarm.net.discovery`): `servers` is what placement
-counts (what each peer serves or will soon serve), `online` what clients route by.
+counts (what each peer serves or will soon serve), `online` what clients route by; and over the directory's
+records: `count_blocks` (a model's number of blocks as its records vote) and `models` (every model listed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from swarm.net.records import Announcement
@@ -86,3 +88,18 @@ def online(announcements: Mapping[int, Iterable[Announcement]]) -> dict[str, Ann
         if not any(r is not None and r.state == "offline" and r.seq > ann.seq for r in left):
             out[peer] = ann
     return out
+
+
+def count_blocks(anns: Sequence[Announcement]) -> int:
+    """The number of blocks most of `anns` (directory records of one model) announce (a tie: the larger), never
+    less than their largest end."""
+    votes = Counter(a.num_blocks for a in anns)
+    return max(max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0], max(a.end for a in anns))
+
+
+def models(anns: Sequence[Announcement]) -> dict[str, int]:
+    """Every model the directory's records list (any state), by id, with its number of blocks as they vote."""
+    listed: dict[str, list[Announcement]] = {}
+    for ann in anns:
+        listed.setdefault(ann.model, []).append(ann)
+    return {model: count_blocks(its) for model, its in sorted(listed.items())}

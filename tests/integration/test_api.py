@@ -504,8 +504,8 @@ def test_metrics_count_requests_tokens_and_latency(api, oai, model_id):
     after = scrape(api)
     key = (("endpoint", "/v1/completions"), ("status", "200"))
     assert after["swarm_api_requests"][key] == before["swarm_api_requests"].get(key, 0) + 1
-    completion = (("kind", "completion"),)
+    completion, model = (("kind", "completion"), ("model", model_id)), (("model", model_id),)
     assert after["swarm_api_tokens"][completion] - before["swarm_api_tokens"].get(completion, 0) == 8
-    assert after["swarm_api_time_to_first_token_seconds_count"][()] >= 1
-    assert after["swarm_api_request_seconds_count"][(("endpoint", "/v1/completions"),)] >= 1
-    assert after["swarm_api_token_seconds_count"][()] >= 7
+    assert after["swarm_api_time_to_first_token_seconds_count"][model] >= 1
+    assert after["swarm_api_request_seconds_count"][(("endpoint", "/v1/completions"), ("model", model_id))] >= 1
+    assert after["swarm_api_token_seconds_count"][model] >= 7

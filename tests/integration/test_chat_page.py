@@ -137,9 +137,9 @@ def reply_text(messages: list[dict]) -> str:
     return f"turn {turn}: <b>{messages[-1]['content']}</b> & \"so\" é🙂\n<script>x()</script>"
 
 
-def stand_in(requests: list[dict]) -> web.Application:
+def stand_in(requests: list[dict], served: tuple[str, ...] = (MODEL,)) -> web.Application:
     async def models(_request):
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in served]})
 
     async def completions(request):
         body = await request.json()
@@ -174,12 +174,12 @@ def stand_in(requests: list[dict]) -> web.Application:
     return app
 
 
-def load(query: dict | list, answers: int) -> tuple[str, list[dict]]:
-    """The DOM of the page served by the stand-in API at `/?query` once `answers` answers have ended (or
-    an error shows), and the requests the page made."""
+def load(query: dict | list, answers: int, served: tuple[str, ...] = (MODEL,)) -> tuple[str, list[dict]]:
+    """The DOM of the page served by the stand-in API (serving the models `served`) at `/?query` once `answers`
+    answers have ended (or an error shows), and the requests the page made."""
     async def run():
         requests: list[dict] = []
-        server = await http.start(stand_in(requests), "127.0.0.1", 0)
+        server = await http.start(stand_in(requests, served), "127.0.0.1", 0)
         try:
             dom = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: browser.dom_when(f"{server.url}/?{urlencode(query)}", settled(answers), timeout=120))
@@ -220,3 +220,17 @@ def test_an_error_status_is_shown_with_its_message():
     assert len(requests) == 1 and [(m["role"], m["state"]) for m in found] == [("user", None), ("assistant", "error")]
     assert found[1]["error"] == "all 8 generation slots are taken (retry in 1 s)"
     assert found[1]["text"] == ""
+
+
+def test_the_model_is_picked_among_those_served():
+    served = (MODEL, "second-model")
+    dom, requests = load([("model", "second-model"), ("q", "one"), ("q", "two")], 2, served)
+    assert [r["model"] for r in requests] == ["second-model", "second-model"]
+    picker = next(e for e in browser.elements(dom) if e.attrs.get("id") == "model")
+    assert picker.tag == "select" and "disabled" not in picker.attrs
+    assert re.findall(r"<option[^>]*>([^<]*)</option>", dom) == list(served)
+    _, requests = load({"q": "one"}, 1, served)  # none named: the first served
+    assert [r["model"] for r in requests] == [MODEL]
+    dom, _ = load({"q": "one"}, 1)  # one model: shown, nothing to pick
+    picker = next(e for e in browser.elements(dom) if e.attrs.get("id") == "model")
+    assert "disabled" in picker.attrs and re.findall(r"<option[^>]*>([^<]*)</option>", dom) == [MODEL]

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from client.api.gateway import Gateway
+from client.api.served import ServedModel
 from client.api.responses import ResponseBodies
 from client.api.stream import Runs
 from client.config import ApiConfig
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.unit
 
 
 def gateway(**config) -> Gateway:
-    return Gateway(ApiConfig(**config), None, None, None, "m", 128, [2])
+    return Gateway(ApiConfig(**config), [ServedModel("m", None, None, None, 128, [2])])
 
 
 async def failing_events(error: BaseException):

@@ -15,6 +15,7 @@ import pytest
 
 from client.api import chat_page
 from client.api.gateway import Gateway
+from client.api.served import ServedModel
 from client.config import ApiConfig
 from swarm import http
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.unit
 
 def test_get_root_serves_the_page_and_other_paths_keep_openai_errors():
     async def run():
-        gw = Gateway(ApiConfig(allow_origin="https://chat.example"), None, None, None, "m", 128, [2])
+        gw = Gateway(ApiConfig(allow_origin="https://chat.example"), [ServedModel("m", None, None, None, 128, [2])])
         server = await http.start(gw.app(), "127.0.0.1", 0, gw.config.limits)
         replies = {}
         try:

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from client.api.gateway import Gateway
+from client.api.served import ServedModel
 from client.api.responses import ResponseBodies
 from client.api.stream import Runs
 from client.config import ApiConfig, ClientConfig
@@ -202,7 +203,7 @@ WAITING = "waiting up to 30 s for blocks [3:6) of m to be served again..."
 
 def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
     async def run():
-        gw = Gateway(ApiConfig(), None, None, None, "m", 128, [2])
+        gw = Gateway(ApiConfig(), [ServedModel("m", None, None, None, 128, [2])])
         gw.keepalive_s = 0.05
         gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2, waiting=None)
 
