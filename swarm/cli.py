@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    for chatty in ("httpx", "httpx2", "httpcore"):  # one line per HTTP request of the hub client
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

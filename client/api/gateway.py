@@ -41,7 +41,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -401,18 +400,18 @@ class Gateway:
 
 # ---- the process ----
 
-async def serve(config: ApiConfig, client_config: ClientConfig, models: list[tuple[Path, str]], stop: asyncio.Event,
+async def serve(config: ApiConfig, client_config: ClientConfig, models: list, stop: asyncio.Event,
                 on_ready: Callable[[str], None] | None = None) -> None:
-    """Run the gateway for `models` ((checkpoint directory, model id) each) until `stop` is set: each model's
+    """Run the gateway for `models` (`swarm.weights.models.Weights` each) until `stop` is set: each model's
     head and tokenizer load one after another, then one client node joins the swarm for all of them."""
     require_peers(client_config)  # before the heads load
     loaded = []
-    for path, model_id in models:
-        loaded.append(await load(path, model_id, config, client_config))
-        logger.info("loaded %s (%d blocks in the swarm; context %d tokens)", model_id, loaded[-1].num_blocks,
+    for weights in models:
+        loaded.append(await load(weights, config, client_config))
+        logger.info("loaded %s (%d blocks in the swarm; context %d tokens)", weights.name, loaded[-1].num_blocks,
                     loaded[-1].context_length)
     async with joined_node(client_config) as node:
-        served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config))
+        served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config, m.digest))
                   for m in loaded]
         gateway = Gateway(config, served)
         try:
@@ -434,5 +433,5 @@ def run_api(args) -> int:
 
     config = from_args(ApiConfig, args)
     client_config = from_args(ClientConfig, args)
-    models = served_models(args.model, args.model_ids, args.cache_home)
+    models = served_models(args.model, args.model_ids, args.cache_home, client_config.revision)
     return run_until_signal(lambda stop: serve(config, client_config, models, stop))

@@ -33,6 +33,7 @@ class ServedModel:
     end_tokens: list[int]
     num_blocks: int = 0
     path: Path | None = field(default=None, compare=False)
+    digest: str | None = None  # the weights of its head: routes only through peers with the same
 
     @property
     def vocab_size(self) -> int:
@@ -80,33 +81,32 @@ class ServedModel:
 
 # ---- the command line: which models, under which names ----
 
-def resolve_model(value: Path | str | None, model_id: str | None, cache_home: str | Path | None) -> tuple[Path, str]:
-    """One `--model` value as (its local checkpoint directory, its model id in the swarm): a checkpoint
-    directory (None: the prepared demo model), named `model_id`, else as `swarm peer` names the same
-    checkpoint (`local_model_id`). The one place a value is resolved: other kinds of values (a hub name,
-    `swarm.weights.models.open_weights`) are resolved here."""
-    from swarm.weights.models import local_model_id
+def resolve_model(value: Path | str | None, model_id: str | None, cache_home: str | Path | None,
+                  revision: str | None = None):
+    """One `--model` value opened for a client (`swarm.weights.models.Weights`: where its files are, its
+    name in the swarm, its digest): a hub repo id (config, tokenizer and head shards fetched) or a
+    checkpoint directory (None: the prepared demo model), named `model_id`, else as `swarm peer` names it."""
+    from swarm.weights.models import open_weights
 
     if value is None:
         from swarm.local.demo_model import default_demo_dir, prepare_demo_model
 
-        path = prepare_demo_model(default_demo_dir(cache_home))
-    else:
-        path = Path(value)
-    return path, model_id or local_model_id(path, cache_home)
+        value = prepare_demo_model(default_demo_dir(cache_home))
+    return open_weights(value, revision, role="client", model_id=model_id, cache_home=cache_home)
 
 
 def served_models(values: Sequence[Path | str] | None, model_ids: Sequence[str] | None,
-                  cache_home: str | Path | None) -> list[tuple[Path, str]]:
-    """(checkpoint directory, model id) of each model `swarm api` serves: one per `--model` (none: the demo
-    model), each named by the `--model-id` at its place, if given (then one per `--model`)."""
+                  cache_home: str | Path | None, revision: str | None = None) -> list:
+    """The weights (`swarm.weights.models.Weights`) of each model `swarm api` serves: one per `--model`
+    (none: the demo model), each named by the `--model-id` at its place, if given (then one per `--model`)."""
     values = list(values or [None])
     model_ids = list(model_ids or [])
     if model_ids and len(model_ids) != len(values):
         raise ConfigError(f"{len(model_ids)} --model-id for {len(values)} --model: give none (each model is "
                           "named as its peers name it) or one per --model, in the same order")
-    models = [resolve_model(v, model_ids[i] if model_ids else None, cache_home) for i, v in enumerate(values)]
-    ids = [model_id for _, model_id in models]
+    models = [resolve_model(v, model_ids[i] if model_ids else None, cache_home, revision)
+              for i, v in enumerate(values)]
+    ids = [weights.name for weights in models]
     twice = sorted({m for m in ids if ids.count(m) > 1})
     if twice:
         raise ConfigError(f"two models would be served as {', '.join(twice)}: name them apart with --model-id "
@@ -121,7 +121,7 @@ def context_length_of(model_config, configured: int | None) -> int:
     return configured if configured is not None else min(int(native), 4096)
 
 
-async def load(path: Path, model_id: str, config: ApiConfig, client_config: ClientConfig) -> ServedModel:
+async def load(weights, config: ApiConfig, client_config: ClientConfig) -> ServedModel:
     """The model's local parts, read from its checkpoint (no client yet): head, tokenizer, end tokens, and
     the grammar engine's view of its vocabulary, built now rather than on the first structured request."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -132,9 +132,10 @@ async def load(path: Path, model_id: str, config: ApiConfig, client_config: Clie
     from swarm.model.head import ModelHead
     from swarm.model.precision import Precision
 
-    print(f"[api] loading the head of {path} as {model_id}", file=sys.stderr, flush=True)
+    path, model_id = weights.directory, weights.name
+    print(f"[api] loading the head of {weights.describe()}", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
-    ckpt = await loop.run_in_executor(None, Checkpoint, path)
+    ckpt = await loop.run_in_executor(None, lambda: Checkpoint(path, source=weights.source))
     where = Precision.of(client_config.device, client_config.dtype)
     head = await loop.run_in_executor(None, lambda: ModelHead(ckpt, dtype=where.dtype, device=where.device))
     tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, path)
@@ -143,4 +144,4 @@ async def load(path: Path, model_id: str, config: ApiConfig, client_config: Clie
     end_tokens = stop_token_ids(tokenizer, generation_config)
     await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
     return ServedModel(model_id, None, head, tokenizer, context_length_of(ckpt.config, config.context_length),
-                       end_tokens, ckpt.num_blocks, Path(path))
+                       end_tokens, ckpt.num_blocks, Path(path), weights.digest)

@@ -38,6 +38,7 @@ SINGLE = "model.safetensors"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".ot",
                    ".npz", ".pkl", ".tflite", ".mlmodel", ".nemo")
 MANIFEST_VERSION = 1
+PROGRESS_EVERY_S = 5.0
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -180,7 +181,7 @@ class HubModel:
         logger.info("fetching %s of %s from %s (%s)", name, self, self.hub.endpoint, _size(info.size))
         try:
             local = hf_hub_download(self.repo, name, revision=self.commit, cache_dir=self.hub.cache_dir,
-                                    endpoint=self.hub.endpoint, token=self.hub.token)
+                                    endpoint=self.hub.endpoint, token=self.hub.token, tqdm_class=logged_progress())
         except OSError as exc:
             raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
         except Exception as exc:  # noqa: BLE001 - the hub client's own errors, each turned into what to do
@@ -350,6 +351,36 @@ def _unavailable(exc: Exception, repo: str, revision: str, hub: Hub, name: str |
         return ModelUnavailable(f"{what}: the hub at {hub.endpoint} answered {str(exc).splitlines()[0][:200]}")
     return ModelUnavailable(f"{what}: could not reach the hub at {hub.endpoint} ({type(exc).__name__}: "
                             f"{str(exc)[:200]}); downloads resume where they stopped when run again")
+
+
+def logged_progress():
+    """A progress bar for the hub client's downloads that writes log lines (bytes, rate, time left) every
+    few seconds instead of drawing: peers run unattended, their output goes to logs."""
+    from tqdm.std import tqdm
+
+    class LoggedProgress(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.update(disable=False, mininterval=PROGRESS_EVERY_S, file=_Null())
+            super().__init__(*args, **kwargs)
+
+        def display(self, msg=None, pos=None) -> bool:
+            d = self.format_dict
+            total, rate = d.get("total"), d.get("rate")
+            if not total or self.n >= total or not rate:
+                return True
+            logger.info("%s: %s of %s, %.1f MiB/s, %.0f s left", d.get("prefix") or self.desc or "download",
+                        _size(self.n), _size(total), rate / 2**20, (total - self.n) / rate)
+            return True
+
+    return LoggedProgress
+
+
+class _Null:
+    def write(self, _text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def read_header(path: Path) -> dict[str, tuple[str, list[int]]]:

@@ -103,12 +103,17 @@ def test_model_ids_pair_with_models_in_order(tmp_path):
     def checkpoint(folder: str, name: str) -> Path:  # named by its marker, as the demo model is
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "swarm-model.json").write_text(json.dumps({"name": name}))
+        (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": name}))
+        (tmp_path / folder / "model.safetensors").write_bytes(name.encode())
         return tmp_path / folder
 
+    def served(*args):
+        return [(w.directory, w.name) for w in served_models(*args)]
+
     a, b, c = checkpoint("a", "llama"), checkpoint("b", "qwen"), checkpoint("c", "llama")
-    assert served_models([a, b], None, None) == [(a, "llama"), (b, "qwen")]
-    assert served_models([a, b], ["x", "y"], None) == [(a, "x"), (b, "y")]
-    assert served_models([str(a)], ["x"], None) == [(a, "x")]
+    assert served([a, b], None, None) == [(a, "llama"), (b, "qwen")]
+    assert served([a, b], ["x", "y"], None) == [(a, "x"), (b, "y")]
+    assert served([str(a)], ["x"], None) == [(a, "x")]
     with pytest.raises(ConfigError, match="1 --model-id for 2 --model: give none"):
         served_models([a, b], ["x"], None)
     with pytest.raises(ConfigError, match="two models would be served as llama"):
