@@ -113,7 +113,8 @@ def register_api(sub: argparse._SubParsersAction) -> None:
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming too) "
                        "for one or more models whose blocks run in the swarm (a request's `model` picks one), and "
                        "Prometheus metrics at /metrics. Point any OpenAI client at http://HOST:PORT/v1.")
-    p.add_argument("--model", action="append", default=None, help="checkpoint directory of a model to serve: its "
+    p.add_argument("--model", action="append", default=None, help="a model to serve, a hub repo id (org/name) or a "
+                   "checkpoint directory: its "
                    "config, tokenizer and head are read locally, its blocks run in the swarm; repeat it to serve "
                    "several models (default: the prepared demo model)")
     p.add_argument("--model-id", dest="model_ids", action="append", default=None, metavar="ID",

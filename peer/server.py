@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +148,8 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
         open_weights, config.model, config.revision, role="peer", model_id=config.model_id))
     model_id = check_model_id(weights.name)
     ckpt = await loop.run_in_executor(None, functools.partial(Checkpoint, weights.directory, source=weights.source))
+    if weights.hub is not None:  # the shards' shapes (which size the memory budget), read off the loop
+        await loop.run_in_executor(None, weights.hub.load_shapes)
     metrics = PeerMetrics()
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
@@ -154,6 +157,8 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
         peer = Peer(config, node, identity, ckpt, model_id, metrics, precision, digest=weights.digest)
         peer.sharing = Sharing(node, weights, ckpt.num_blocks, config, cache_home())
+        if weights.hub is not None:
+            peer.source_stop = weights.hub.stop = threading.Event()
         await peer.run(stop, on_ready)
 
 
@@ -165,6 +170,8 @@ class Peer:
         self.config, self.node, self.identity, self.ckpt, self.model_id = config, node, identity, ckpt, model_id
         self.digest = digest
         self.sharing: Sharing | None = None  # weight files given to and taken from peers of the same weights
+        self.stop: asyncio.Event | None = None  # set when the peer should leave
+        self.source_stop: threading.Event | None = None  # tells the checkpoint's source to fetch nothing more
         self.metrics, self.name = metrics, describe_peer(node.peer_id)
         self.precision = precision or Precision.of(config.device, config.dtype, config.quant)
         self.memory = memory_blocks(ckpt, config, self.precision)
@@ -230,11 +237,17 @@ class Peer:
                                    self.digest)
         await self.announce("joining")
         logger.info("peer %s loading blocks %s of %s", self.name, span, self.model_id)
-        blocks = await loop.run_in_executor(None, self._load, span, None)
+        self.stop = stop
+        blocks = await self._announcing(loop.run_in_executor(None, self._load, span, None), "joining")
+        if blocks is None:
+            logger.info("peer %s stopped while loading blocks %s", self.name, span)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.announce("offline"), OFFLINE_ANNOUNCE_S)
+            return
         sessions = SessionTable(config.cache_tokens, config.max_sessions, config.client_share, config.reclaim_idle,
                                 self.released.set)
         served_info = Served(self.node.peer_id, self.model_id, span, __version__, self.capacity.throughput(len(span)),
-                             self.capacity.prefill_tps(len(span)))
+                             self.capacity.prefill_tps(len(span)), self.digest)
         with Runtime(config.max_queue) as runtime:
             servicer = self.servicer = Servicer(config, served_info, blocks, runtime, sessions, self.metrics,
                                                 self.precision)
@@ -314,6 +327,30 @@ class Peer:
     def _min_blocks(self) -> int:
         return self.memory if self.config.num_blocks is not None else 1
 
+    async def _announcing(self, work: asyncio.Future, state: str):
+        """`work`'s result, re-announcing `state` every announce interval meanwhile (a long download must
+        not let this peer's records expire); None if the peer is stopped first (a fetch stops between
+        files)."""
+        stopped = asyncio.ensure_future(self.stop.wait()) if self.stop is not None else None
+        try:
+            for _ in range(1_000_000):
+                waiting = {work} | ({stopped} if stopped is not None else set())
+                done, _ = await asyncio.wait(waiting, timeout=self.config.announce_interval,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if work in done:
+                    return work.result()
+                if stopped is not None and stopped in done:
+                    if self.source_stop is not None:
+                        self.source_stop.set()
+                    work.add_done_callback(lambda f: f.exception())  # its outcome no longer matters
+                    return None
+                with contextlib.suppress(Exception):  # announcing again next time
+                    await self.announce(state)
+            return await work
+        finally:
+            if stopped is not None:
+                stopped.cancel()
+
     async def _fetch_for(self, decision: placement.Score) -> placement.Score | None:
         """Fetch the files a move to `decision.span` lacks before claiming it, while the old span keeps
         serving; the swarm may have changed meanwhile, so the move is decided again after a download."""
@@ -324,9 +361,12 @@ class Peer:
         logger.info("peer %s: fetching %d files for blocks %s before claiming them", self.name, len(missing),
                     decision.span)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.ckpt.fetch, names)
+            done = await self._announcing(asyncio.get_running_loop().run_in_executor(None, self.ckpt.fetch, names),
+                                          "online")
         except SwarmError as exc:
             logger.warning("peer %s: staying on blocks %s: %s", self.name, self.span, exc)
+            return None
+        if done is None and self.stop is not None and self.stop.is_set():
             return None
         return self._decide(await self.view.read())
 

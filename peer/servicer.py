@@ -58,6 +58,7 @@ class Served:
     version: str
     throughput: float = 0.0
     prefill_tps: float = 0.0
+    digest: str | None = None  # which weights (swarm.weights.digest); requests naming others are refused
 
 
 class Servicer:
@@ -99,12 +100,15 @@ class Servicer:
 
     # ---- shared checks ----
 
-    def _check_target(self, model: str, start: int, end: int) -> Span:
+    def _check_target(self, model: str, start: int, end: int, digest: str | None = None) -> Span:
         if self.moving:
             raise NotServing(f"this peer is moving to blocks {self.served.span} and serves nothing new until they "
                              "load; try another peer")
         if model != self.served.model_id:
             raise NotServing(f"this peer serves model {self.served.model_id!r}, not {model!r}")
+        if digest is not None and self.served.digest is not None and digest != self.served.digest:
+            raise NotServing(f"this peer serves other weights of {model!r} ({self.served.digest[:12]}), not "
+                             f"{digest[:12]}")
         span = Span(start, end)
         if not (self.served.span.start <= start and end <= self.served.span.end):
             raise NotServing(f"blocks {span} are not within the served blocks {self.served.span}")
@@ -349,7 +353,7 @@ class Servicer:
 
     def _open(self, request: messages.Open, client: str = "") -> ServedSession:
         """A new session of `client` (the stream's authenticated peer), its cache committed as it grows."""
-        span = self._check_target(request.model, request.start, request.end)
+        span = self._check_target(request.model, request.start, request.end, request.digest)
         if request.max_length > self.config.max_length:
             raise BadRequest(f"'max_length' must be an integer in [1, {self.config.max_length}], got "
                              f"{request.max_length}")
@@ -391,7 +395,7 @@ class Servicer:
     async def serve_forward(self, stream: Stream) -> None:
         async def handle(msg: wire.Message) -> wire.Message:
             request = messages.Forward.from_message(msg)
-            span = self._check_target(request.model, request.start, request.end)
+            span = self._check_target(request.model, request.start, request.end, request.digest)
             self._check_hidden(request.hidden, messages.ENCODINGS, self.config.max_batch)
             batch, tokens = request.hidden.shape[:2]
             if tokens > self.config.max_length:

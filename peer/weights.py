@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from swarm.weights.share import FileShare, fetch_file, find_holders
 
 logger = logging.getLogger(__name__)
 
+FETCH_LIMIT_S = 6 * 3600.0  # one file from peers at most (a slow holder is dropped long before: share.MIN_FETCH_RATE)
 HOLDERS_TIMEOUT_S = 5.0  # peers asked what they hold answer within this or count as holding nothing
 MAX_CANDIDATES = 32  # peers asked at most per file
 
@@ -72,9 +74,21 @@ class Sharing:
 
     def fetch_from_peers(self, info: RepoFile, dest: Path) -> bool:
         """Called from a loading thread: take `info` from peers of the same weights into the hub cache;
-        False when none had it (the hub is asked then)."""
+        False when none had it, or anything went wrong (the hub is asked then)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop or self.loop is None or self.loop.is_closed():
+            return False  # never block the loop that would do the work
         future = asyncio.run_coroutine_threadsafe(self._fetch(info), self.loop)
-        return future.result()
+        try:
+            return future.result(timeout=FETCH_LIMIT_S)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the hub is the fallback
+            future.cancel()
+            logger.warning("%s: fetching from peers failed (%s: %s); asking the hub", info.name, type(exc).__name__,
+                           exc)
+            return False
 
     async def _candidates(self) -> list[str]:
         anns = discovery.same_weights(await discovery.announcements(self.node, self.weights.name, self.num_blocks),
@@ -86,6 +100,20 @@ class Sharing:
 
     async def _fetch(self, info: RepoFile) -> bool:
         hub = self.weights.hub
+        # one partial file per process: peers sharing a hub cache never write into each other's
+        part = hub.folder / "blobs" / f"{info.sha256}.from-peers.{os.getpid()}"
+        try:
+            return await self._fetch_into(info, part)
+        except Exception as exc:  # noqa: BLE001 - a failed DHT read, a lost stream, a full disk: the hub is asked
+            logger.warning("%s: fetching from peers failed (%s: %s); asking the hub", info.name, type(exc).__name__,
+                           exc)
+            return False
+        finally:
+            for leftover in (part, part.with_name(part.name + ".part")):
+                leftover.unlink(missing_ok=True)
+
+    async def _fetch_into(self, info: RepoFile, part: Path) -> bool:
+        hub = self.weights.hub
         try:
             peers = await self._candidates()
             if not peers:
@@ -95,7 +123,6 @@ class Sharing:
             if not holders:
                 return False
             random.shuffle(holders)
-            part = hub.folder / "blobs" / f"{info.sha256}.from-peers"
             part.parent.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
             logger.info("fetching %s of %s (%.1f MiB) from %d peers that hold it", info.name, hub, info.size / 2**20,

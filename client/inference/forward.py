@@ -28,6 +28,7 @@ class Peers(Protocol):
 
     node: Node
     model_id: str
+    digest: str | None  # the weights of the client's head
     config: ClientConfig
     failures: FailurePolicy
 
@@ -48,7 +49,7 @@ async def forward(peers: Peers, hidden: torch.Tensor, attention_mask: torch.Tens
         try:
             x_next = await asyncio.wait_for(
                 peer_session.forward(peers.node, hop.peer, peers.model_id, hop.span, x, attention_mask,
-                                     timeout=peers.config.step_timeout),
+                                     timeout=peers.config.step_timeout, digest=peers.digest),
                 peers.deadline(hop, x.shape[0] * x.shape[1]))
         except (asyncio.TimeoutError, SwarmError) as e:
             attempts.failed(hop.peer, hop.span, e)  # raises: give up

@@ -48,12 +48,13 @@ class PeerSession:
 
     @classmethod
     async def open(cls, node: Node, peer: str, model: str, span: Span, *, max_length: int, batch: int = 1,
-                   encodings: tuple[str, ...] = ("float32",), timeout: float = 30.0) -> PeerSession:
+                   encodings: tuple[str, ...] = ("float32",), timeout: float = 30.0,
+                   digest: str | None = None) -> PeerSession:
         """Open a session whose steps may use any of `encodings` (`swarm.net.messages.ENCODINGS`)."""
         stream = await node.open(peer, wire.SESSION_PROTOCOL)
         try:
             reply = await exchange(stream, messages.Open(model, span.start, span.end, max_length, batch,
-                                                     tuple(encodings)).to_message(), timeout)
+                                                         tuple(encodings), digest).to_message(), timeout)
             opened = decode_reply(messages.Opened, reply, peer, "open")
         except BaseException:
             await stream.aclose()
@@ -61,7 +62,7 @@ class PeerSession:
         return cls(stream, opened, timeout)
 
     async def step(self, hidden: torch.Tensor, position: int, attention_mask: torch.Tensor | None = None,
-                   encoding: str = "float32") -> torch.Tensor:
+                   encoding: str = "float32", digest: str | None = None) -> torch.Tensor:
         """Run `hidden` [batch, tokens, hidden] at `position` (below the cache length: roll back first)."""
         step = await self.send(hidden, position, attention_mask, encoding=encoding)
         return await self.receive(step, tuple(hidden.shape), self.timeout)
@@ -161,11 +162,12 @@ def _output(reply: wire.Message, peer: str, shape: tuple[int, ...]) -> tuple[mes
 
 async def forward(node: Node, peer: str, model: str, span: Span, hidden: torch.Tensor,
                   attention_mask: torch.Tensor | None = None, timeout: float = 60.0,
-                  encoding: str = "float32") -> torch.Tensor:
+                  encoding: str = "float32", digest: str | None = None) -> torch.Tensor:
     """A stateless forward of whole sequences through `span` on `peer`."""
     stream = await node.open(peer, wire.FORWARD_PROTOCOL)
     try:
-        request = messages.Forward(model, span.start, span.end, messages.Hidden.encode(hidden, encoding), _mask(attention_mask))
+        request = messages.Forward(model, span.start, span.end, messages.Hidden.encode(hidden, encoding),
+                                   _mask(attention_mask), digest)
         reply = await exchange(stream, request.to_message(), timeout)
     finally:
         await stream.aclose()

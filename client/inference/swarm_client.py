@@ -309,7 +309,8 @@ class SwarmClient:
         # the session's own timeout bounds its steps; each step's real deadline is the caller's
         session = await asyncio.wait_for(
             peer_session.PeerSession.open(self.node, hop.peer, self.model_id, hop.span, max_length=max_length,
-                                         batch=batch, encodings=encodings, timeout=self.config.step_timeout),
+                                         batch=batch, encodings=encodings, timeout=self.config.step_timeout,
+                                         digest=self.digest),
             self.open_deadline(hop.peer))
         self.measurements.cache(hop.peer, session.opened.cache_tokens_left)
         return session

@@ -61,6 +61,7 @@ def prepare_demo_model(directory: Path) -> Path:
     """Return `directory` holding the verified demo checkpoint, building it first if needed."""
     directory = Path(directory).expanduser().absolute()
     if _is_complete(directory):
+        _name_it(directory)
         return directory
     # Only an empty directory or one with our marker (any version) is ours to replace.
     if directory.exists() and not (directory.is_dir() and (
@@ -105,6 +106,20 @@ def _read_marker(directory: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) else None
+
+
+def _name_it(directory: Path) -> None:
+    """A checkpoint converted before markers carried the swarm name gets it, so that it meets fresh ones
+    under one name (`swarm.weights.models.local_name`); written atomically, best effort."""
+    marker = _read_marker(directory)
+    if marker is None or marker.get("name") == DEMO_MODEL_ID:
+        return
+    tmp = directory / f".{MARKER_FILE}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({**marker, "name": DEMO_MODEL_ID}, indent=2) + "\n")
+        tmp.replace(directory / MARKER_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _is_complete(directory: Path) -> bool:

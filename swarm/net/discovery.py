@@ -34,7 +34,16 @@ def same_weights(anns: dict[int, list[records.Announcement]], digest: str | None
     whose weights differ are never chained, and a record that names no weights is not trusted to match."""
     if digest is None:
         return anns
-    return {block: [a for a in block_anns if a.digest == digest] for block, block_anns in anns.items()}
+    newest: dict[str, records.Announcement] = {}
+    for block_anns in anns.values():
+        for a in block_anns:
+            if a.peer not in newest or a.seq > newest[a.peer].seq:
+                newest[a.peer] = a
+    # a peer's newest record says which weights it has now: its older records (say, of blocks it served
+    # before it restarted with other weights) count for nothing
+    same = {peer for peer, a in newest.items() if a.digest == digest}
+    return {block: [a for a in block_anns if a.peer in same and a.digest == digest]
+            for block, block_anns in anns.items()}
 
 
 async def directory(node: Node) -> list[records.Announcement]:

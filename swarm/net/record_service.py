@@ -15,13 +15,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from swarm.net import messages, records, wire
+from swarm.net import messages, record_messages, records, wire
 from swarm.net.calls import decode_reply, exchange
 from swarm.errors import BadRequest, Busy, ProtocolError, SwarmError
 
 logger = logging.getLogger(__name__)
 
-MAX_REPLY_BYTES = messages.MAX_RECORD_ENTRIES * messages.MAX_RECORD_VALUE_BYTES
+MAX_REPLY_BYTES = record_messages.MAX_RECORD_ENTRIES * record_messages.MAX_RECORD_VALUE_BYTES
 MAX_READS = 8  # requests a node answers at once (each reads the DHT); more get `Busy`
 
 
@@ -33,7 +33,7 @@ def records_handler(node, timeout: float = 10.0, max_reads: int = MAX_READS):
     async def serve(stream) -> None:
         try:
             msg = await asyncio.wait_for(wire.read_message(stream.reader, 0), timeout)
-            request = messages.GetRecords.from_message(msg)
+            request = record_messages.GetRecords.from_message(msg)
         except (EOFError, asyncio.TimeoutError):
             return
         except (ProtocolError, BadRequest) as e:
@@ -44,10 +44,10 @@ def records_handler(node, timeout: float = 10.0, max_reads: int = MAX_READS):
             return
         async with reads:
             found = await node.get_records(request.keys)
-        entries = [messages.RecordEntry(key, subkey, value, expiration)
+        entries = [record_messages.RecordEntry(key, subkey, value, expiration)
                    for key in request.keys for subkey, (value, expiration) in found.get(key, {}).items()]
-        entries, truncated = entries[:messages.MAX_RECORD_ENTRIES], len(entries) > messages.MAX_RECORD_ENTRIES
-        reply = messages.Records(tuple(entries), truncated, await addresses(node, {e.subkey for e in entries}))
+        entries, truncated = entries[:record_messages.MAX_RECORD_ENTRIES], len(entries) > record_messages.MAX_RECORD_ENTRIES
+        reply = record_messages.Records(tuple(entries), truncated, await addresses(node, {e.subkey for e in entries}))
         await wire.write_message(stream.writer, reply.to_message())
 
     return serve
@@ -62,24 +62,24 @@ async def addresses(node, peers: set[str]) -> dict[str, list[str]]:
         return {}
     out = {}
     for peer in sorted(peers):
-        addrs = [a for a in known.get(peer, []) if len(a) <= messages.MAX_ADDR_CHARS and "/p2p-circuit" not in a]
+        addrs = [a for a in known.get(peer, []) if len(a) <= record_messages.MAX_ADDR_CHARS and "/p2p-circuit" not in a]
         if addrs:
-            out[peer] = addrs[:messages.MAX_ADDRS]
-        if len(out) == messages.MAX_ADDR_PEERS:
+            out[peer] = addrs[:record_messages.MAX_ADDRS]
+        if len(out) == record_messages.MAX_ADDR_PEERS:
             break
     return out
 
 
-async def fetch(node, peer: str, keys: list[str] | tuple[str, ...], timeout: float = 10.0) -> messages.Records:
-    """The records `peer` reads for `keys` (at most `messages.MAX_RECORD_KEYS`), unchecked. `node`: anything
+async def fetch(node, peer: str, keys: list[str] | tuple[str, ...], timeout: float = 10.0) -> record_messages.Records:
+    """The records `peer` reads for `keys` (at most `record_messages.MAX_RECORD_KEYS`), unchecked. `node`: anything
     that opens streams (`open(peer, protocol)`)."""
     stream = await node.open(peer, wire.RECORDS_PROTOCOL)
     try:
-        reply = await exchange(stream, messages.GetRecords(tuple(keys)).to_message(), timeout,
+        reply = await exchange(stream, record_messages.GetRecords(tuple(keys)).to_message(), timeout,
                                max_tensor_bytes=MAX_REPLY_BYTES)
     finally:
         await stream.aclose()
-    return decode_reply(messages.Records, reply, peer, "get_records")
+    return decode_reply(record_messages.Records, reply, peer, "get_records")
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Found:
         """{key: {subkey: (value, expiration)}}: what a DHT node's `get_records` gives."""
         return {key: {sub: (value, exp) for sub, (_, value, exp) in subs.items()} for key, subs in self.kept.items()}
 
-    def merge(self, reply: messages.Records, now: float | None = None) -> None:
+    def merge(self, reply: record_messages.Records, now: float | None = None) -> None:
         """Check every record of `reply` and keep each that is newer (by sequence number) than the one kept
         for its key and signer."""
         now = time.time() if now is None else now
@@ -123,12 +123,12 @@ class Found:
 
 async def read(node, sources: list[str], keys: list[str], timeout: float = 10.0, min_sources: int = 2) -> Found:
     """The records under `keys`, checked, from `min_sources` of `sources` that answer (in order; as many at
-    once as are still needed), merged by sequence number. Keys go in batches of `messages.MAX_RECORD_KEYS`. A
+    once as are still needed), merged by sequence number. Keys go in batches of `record_messages.MAX_RECORD_KEYS`. A
     source that fails is skipped; none answering is a `SwarmError`."""
     found, answered, pending = Found(), 0, list(sources)
-    batches = [keys[i:i + messages.MAX_RECORD_KEYS] for i in range(0, len(keys), messages.MAX_RECORD_KEYS)]
+    batches = [keys[i:i + record_messages.MAX_RECORD_KEYS] for i in range(0, len(keys), record_messages.MAX_RECORD_KEYS)]
 
-    async def ask(source: str) -> list[messages.Records]:
+    async def ask(source: str) -> list[record_messages.Records]:
         return list(await asyncio.gather(*(fetch(node, source, batch, timeout) for batch in batches)))
 
     while pending and answered < min_sources:

@@ -79,9 +79,22 @@ class HashCache:
             logger.warning("could not keep file hashes in %s: %s", self.path, exc)
 
 
+SIDECAR = ".swarm-file-hashes.json"
+
+
+def hash_cache_for(directory: Path, cache_home: str | Path | None) -> HashCache:
+    """The directory's own hash file where it can be written (every process that opens it, whatever its
+    cache home, hashes nothing again), else `file-hashes.json` in the cache home."""
+    import os
+
+    if os.access(directory, os.W_OK):
+        return HashCache(directory / SIDECAR)
+    return HashCache(Path(cache_home) / "file-hashes.json" if cache_home else None)
+
+
 def local_hashes(directory: Path, cache_home: str | Path | None) -> tuple[str, dict[str, str]]:
     """(config sha256, {weight file: sha256}) of a local checkpoint directory."""
-    cache = HashCache(Path(cache_home) / "file-hashes.json" if cache_home else None)
+    cache = hash_cache_for(directory, cache_home)
     config = directory / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{directory} has no config.json: not a transformers checkpoint directory")

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,8 @@ class Hub:
         if cache_home is None:
             from swarm.cli import cache_home as default_home
             cache_home = default_home()
-        offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        offline = any(env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+                      for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
         return cls(endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/"),
                    cache_dir=cache.expanduser(), token=env.get("HF_TOKEN") or None, offline=offline,
                    manifests=Path(cache_home) / "hub")
@@ -95,6 +97,8 @@ class HubModel:
     files: dict[str, RepoFile]
     shapes: dict[str, dict[str, tuple[str, list[int]]]] = field(default_factory=dict)  # shard -> tensor -> (dtype, shape)
     fetched: list[str] = field(default_factory=list)  # names this process fetched (not found in the cache)
+    offline: bool = False  # resolved from the cache because the hub was unreachable
+    stop: threading.Event | None = None  # set when the process stops: no further file is fetched
     fetch_hook: Callable[[RepoFile, Path], bool] | None = None  # tries other sources (peers) before the hub
     on_fetched: Callable[[RepoFile, Path], None] | None = None  # told of every file fetched, from anywhere
 
@@ -115,7 +119,9 @@ class HubModel:
         try:
             ref.parent.mkdir(parents=True, exist_ok=True)
             if not ref.is_file() or ref.read_text().strip() != self.commit:
-                ref.write_text(self.commit)
+                tmp = ref.with_name(f".{ref.name}.tmp{os.getpid()}")
+                tmp.write_text(self.commit)
+                tmp.replace(ref)  # a reader sees the old commit or the new one, never an empty file
         except OSError as exc:
             logger.warning("could not note %s's revision %s in %s: %s", self.repo, self.revision, ref, exc)
 
@@ -138,6 +144,11 @@ class HubModel:
 
     def __str__(self) -> str:
         return f"{self.repo}@{self.commit[:8]}"
+
+    def stopping_check(self) -> None:
+        """Between files: a process that is stopping fetches nothing more."""
+        if self.stop is not None and self.stop.is_set():
+            raise ModelUnavailable(f"{self}: stopped before all files were fetched")
 
     @property
     def weight_files(self) -> list[str]:
@@ -171,6 +182,7 @@ class HubModel:
         if self.hub.offline:
             raise ModelUnavailable(f"{self}: {name} is not in the hub cache ({self.hub.cache_dir}) and HF_HUB_OFFLINE "
                                    "is set; run once online, or unset HF_HUB_OFFLINE")
+        self.stopping_check()
         self._check_room(info)
         if self.fetch_hook is not None and info.sha256 and self.fetch_hook(info, self.snapshot / name):
             self.fetched.append(name)
@@ -245,6 +257,9 @@ class HubModel:
             response = get_session().get(url, headers={**headers, "Range": f"bytes={start}-{end}"},
                                          follow_redirects=True, timeout=30)
             hf_raise_for_status(response)
+            if response.status_code != 206:
+                raise ModelUnavailable(f"{self}: the hub at {self.hub.endpoint} ignores range requests "
+                                       f"(answered {response.status_code} for a header of {name})")
             return response.content[:end - start + 1]
 
         size = int.from_bytes(read(0, 7), "little")
@@ -281,11 +296,24 @@ def resolve(ref: ModelRef, hub: Hub | None = None) -> HubModel:
         try:
             info = hub.api().model_info(ref.repo, revision=revision, files_metadata=True)
         except Exception as exc:  # noqa: BLE001 - the hub client's errors, each turned into what to do
-            raise _unavailable(exc, ref.repo, revision, hub) from exc
+            if not _unreachable(exc):
+                raise _unavailable(exc, ref.repo, revision, hub) from exc
+            try:  # the hub cannot be reached: a model in the cache is used as it is
+                model = _resolve_offline(ref.repo, revision, hub)
+            except ModelUnavailable:
+                raise _unavailable(exc, ref.repo, revision, hub) from exc
+            logger.warning("the hub at %s cannot be reached (%s); using %s from the cache", hub.endpoint,
+                           type(exc).__name__, model)
+            model.offline = True
+            return _checked(model)
         files = {s.rfilename: RepoFile(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None) for s in info.siblings}
         model = HubModel(hub, ref.repo, revision, info.sha, files)
         model._save_manifest()
         model.remember_revision()
+    return _checked(model)
+
+
+def _checked(model: HubModel) -> HubModel:
     if "config.json" not in model.files:
         raise ModelUnavailable(f"{model} has no config.json: not a transformers model repository")
     if INDEX not in model.files and SINGLE not in model.files:
@@ -303,6 +331,7 @@ def _resolve_offline(repo: str, revision: str, hub: Hub) -> HubModel:
     ref_file = folder / "refs" / revision
     if commit is None and ref_file.is_file():
         commit = ref_file.read_text().strip()
+        commit = commit if _COMMIT.fullmatch(commit) else None
     if commit is None or not (folder / "snapshots" / commit).is_dir():
         raise ModelUnavailable(f"{repo}@{revision} is not in the hub cache ({hub.cache_dir}) and HF_HUB_OFFLINE is "
                                "set: run once online, or unset HF_HUB_OFFLINE")
@@ -318,6 +347,16 @@ def _resolve_offline(repo: str, revision: str, hub: Hub) -> HubModel:
                  for p in snapshot.rglob("*") if p.is_file()}
         shapes = {}
     return HubModel(hub, repo, revision, commit, files, shapes)
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Whether `exc` says the hub could not be reached at all (not that it answered no)."""
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.HfHubHTTPError):
+        return False
+    name = type(exc).__name__
+    return isinstance(exc, (OSError, errors.OfflineModeIsEnabled)) or "Connect" in name or "Timeout" in name
 
 
 def _cached_sha256(path: Path) -> str | None:

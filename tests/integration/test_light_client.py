@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.net import messages, records, wire
+from swarm.net import record_messages, records, wire
 from swarm.net.identity import Identity
 from swarm.weights.models import local_model_id
 from swarm_harness import MODEL_ID, replicated_swarm
@@ -111,7 +111,7 @@ def test_forged_and_restamped_records_from_a_lying_source_are_refused(swarm, loo
 
     def lying(node):
         async def serve(stream):
-            keys = messages.GetRecords.from_message(await wire.read_message(stream.reader, 0)).keys
+            keys = record_messages.GetRecords.from_message(await wire.read_message(stream.reader, 0)).keys
             found = await node.get_records(keys)
             entries = []
             for key in keys:
@@ -120,9 +120,9 @@ def test_forged_and_restamped_records_from_a_lying_source_are_refused(swarm, loo
                     worse = dataclasses.replace(ann, seq=ann.seq + 1000, state="offline").to_payload()
                     signed = records.signed_message(records.key_id(key), subkey, expiration, worse)
                     forged = bytes([records.ENVELOPE_VERSION]) + attacker.sign(signed) + worse
-                    entries += [messages.RecordEntry(key, subkey, forged, expiration),
-                                messages.RecordEntry(key, subkey, value, expiration + 60)]
-            await wire.write_message(stream.writer, messages.Records(tuple(entries)).to_message())
+                    entries += [record_messages.RecordEntry(key, subkey, forged, expiration),
+                                record_messages.RecordEntry(key, subkey, value, expiration + 60)]
+            await wire.write_message(stream.writer, record_messages.Records(tuple(entries)).to_message())
 
         return serve
 

@@ -74,7 +74,7 @@ def test_a_client_fetches_config_tokenizer_templates_and_only_the_heads_shards(h
     from swarm.model.head import ModelHead
 
     weights = open_weights(REPO, role="client", hub=hub_of(hub, tmp_path), cache_home=tmp_path)
-    small = {p.name for p in checkpoint.iterdir() if not p.name.endswith(".safetensors")}
+    small = {p.name for p in checkpoint.iterdir() if not p.name.endswith(".safetensors") and not p.name.startswith(".")}
     assert whole_files(hub) == small
     ModelHead(Checkpoint(weights.directory, source=weights.source))
     head = shards_of(checkpoint, ("model.embed_tokens.", "model.norm.", "lm_head."))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.net import discovery, messages, record_service, records
+from swarm.net import discovery, record_messages, record_service, records
 from swarm.errors import SwarmError
 from swarm_harness import MODEL_ID
 
@@ -67,4 +67,4 @@ def test_a_malformed_request_gets_a_typed_error(swarm, client, loop):
 
     with pytest.raises(BadRequest):
         loop.run(ask())
-    assert messages.MAX_RECORD_KEYS >= len(records.DIRECTORY_KEYS)  # the directory is one request
+    assert record_messages.MAX_RECORD_KEYS >= len(records.DIRECTORY_KEYS)  # the directory is one request

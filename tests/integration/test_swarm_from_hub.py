@@ -110,8 +110,15 @@ def test_peers_with_other_weights_under_one_name_are_never_in_one_route(checkpoi
             expected = local.generate(PROMPT, max_new_tokens=8, do_sample=False, pad_token_id=0)
             assert remote.generate(PROMPT, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist() == \
                 expected.tolist()
-        from swarm.errors import NoRoute
+        from client.inference.peer_session import PeerSession
+        from swarm.errors import NoRoute, NotServing
+        from swarm.span import Span
 
         with DistributedModelForCausalLM.from_pretrained(other, net.bootstrap_addrs, model_id=REPO) as theirs:
             with pytest.raises(NoRoute, match=r"\[0:3\)|0, 1, 2|blocks"):
                 theirs.route()
+            # and a peer asked directly for a session with other weights than its own refuses it
+            client = theirs.connection.client
+            with pytest.raises(NotServing, match="serves other weights"):
+                theirs.connection.run(PeerSession.open(client.node, net.procs["a-head"].peer_id, REPO, Span(0, 3),
+                                                       max_length=16, digest=client.digest))

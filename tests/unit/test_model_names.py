@@ -83,7 +83,7 @@ def test_the_digest_of_a_directory_equals_the_one_from_hub_hashes(tmp_path):
 def test_file_hashes_are_kept_and_a_changed_file_is_hashed_again(tmp_path):
     a = _checkpoint(tmp_path / "a", {"model.safetensors": b"weights"}, {"model_type": "llama"})
     first = local_digest(a, tmp_path / "home")
-    kept = json.loads((tmp_path / "home" / "file-hashes.json").read_text())
+    kept = json.loads((a / ".swarm-file-hashes.json").read_text())
     assert len(kept) == 1
     (a / "model.safetensors").write_bytes(b"other weights")
     assert local_digest(a, tmp_path / "home") != first

@@ -156,3 +156,19 @@ def test_int8_keeps_zero_blocks_and_bounds_each_block_by_its_own_largest_value()
     assert back[0, 0, 6:32].abs().max() == 0
     assert abs(back[0, 0, 5] - 1e-3) <= 1e-3 / 64
     assert (back[0, 0, 32:] - x[0, 0, 32:]).abs().max() <= 1024 / 127
+
+
+def test_open_and_forward_carry_the_weights_digest_and_repo_ids():
+    model = "o" * 40 + "/" + "m" * 55  # the longest model id a record takes
+    hidden = messages.Hidden.encode(torch.zeros(1, 2, 4), "float32")
+    for request in (messages.Open(model, 0, 2, 16, 1, ("float32",), "ab" * 16),
+                    messages.Forward(model, 0, 2, hidden, None, "ab" * 16)):
+        back = type(request).from_message(over_the_wire(request.to_message()))
+        assert (back.model, back.digest) == (model, "ab" * 16)
+    old = messages.Open("tiny", 0, 2, 16, 1)  # a client that does not say which weights
+    assert "digest" not in old.to_message().fields
+    assert messages.Open.from_message(over_the_wire(old.to_message())).digest is None
+    for bad in ("AB" * 16, "ab" * 15, 7, "zz" * 16):
+        msg = old.to_message()
+        with pytest.raises(BadRequest, match="'digest' must be 32 lowercase hex"):
+            messages.Open.from_message(wire.Message(msg.type, {**msg.fields, "digest": bad}, msg.tensors))
