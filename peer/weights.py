@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -100,17 +99,15 @@ class Sharing:
 
     async def _fetch(self, info: RepoFile) -> bool:
         hub = self.weights.hub
-        # one partial file per process: peers sharing a hub cache never write into each other's
-        part = hub.folder / "blobs" / f"{info.sha256}.from-peers.{os.getpid()}"
+        # the hub model holds the file's lock across processes while this runs: the partial file is this
+        # process's alone, and stays for a later run to resume when nobody delivers the rest now
+        part = hub.folder / "blobs" / f"{info.sha256}.from-peers"
         try:
             return await self._fetch_into(info, part)
         except Exception as exc:  # noqa: BLE001 - a failed DHT read, a lost stream, a full disk: the hub is asked
             logger.warning("%s: fetching from peers failed (%s: %s); asking the hub", info.name, type(exc).__name__,
                            exc)
             return False
-        finally:
-            for leftover in (part, part.with_name(part.name + ".part")):
-                leftover.unlink(missing_ok=True)
 
     async def _fetch_into(self, info: RepoFile, part: Path) -> bool:
         hub = self.weights.hub

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.errors import CheckpointError
+from swarm.weights import download
 from swarm.weights.ref import ModelRef
 
 logger = logging.getLogger(__name__)
@@ -184,28 +185,52 @@ class HubModel:
                                    "is set; run once online, or unset HF_HUB_OFFLINE")
         self.stopping_check()
         self._check_room(info)
-        if self.fetch_hook is not None and info.sha256 and self.fetch_hook(info, self.snapshot / name):
-            self.fetched.append(name)
+        if info.sha256 and info.size:
+            with download.lock(self.folder / "blobs" / f"{info.sha256}.lock"):
+                if not (self.snapshot / name).is_file():  # another process may have placed it meanwhile
+                    self._fetch_weights(info)
             self._told(info)
             return
         from huggingface_hub import hf_hub_download
 
         logger.info("fetching %s of %s from %s (%s)", name, self, self.hub.endpoint, _size(info.size))
         try:
-            local = hf_hub_download(self.repo, name, revision=self.commit, cache_dir=self.hub.cache_dir,
+            hf_hub_download(self.repo, name, revision=self.commit, cache_dir=self.hub.cache_dir,
                                     endpoint=self.hub.endpoint, token=self.hub.token, tqdm_class=logged_progress())
         except OSError as exc:
             raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
         except Exception as exc:  # noqa: BLE001 - the hub client's own errors, each turned into what to do
             raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
         self.fetched.append(name)
-        if info.sha256:
-            got = sha256_of(Path(local))
-            if got != info.sha256:
-                _remove_cached(Path(local))
-                raise ModelUnavailable(f"{self}: {name} as downloaded has sha256 {got[:16]}..., but the hub lists "
-                                       f"{info.sha256[:16]}...; it was deleted from the cache, try again")
         self._told(info)
+
+    def _fetch_weights(self, info: RepoFile) -> None:
+        """A weight file (its sha256 listed): from peers first (the fetch hook), else from the hub with a
+        resumable download; placed in the cache only once its bytes match."""
+        name = info.name
+        if self.fetch_hook is not None and self.fetch_hook(info, self.snapshot / name):
+            self.fetched.append(name)
+            return
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
+
+        logger.info("fetching %s of %s from %s (%s)", name, self, self.hub.endpoint, _size(info.size))
+        partial = self.folder / "blobs" / f"{info.sha256}.incomplete-swarm"
+        url = hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.hub.endpoint)
+        try:
+            outcome = download.fetch(url, build_hf_headers(token=self.hub.token), partial, info.size, info.sha256,
+                                     f"{name} of {self}")
+        except Exception as exc:  # noqa: BLE001 - the network's and the hub's errors, each turned into what to do
+            raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
+        if outcome == "short":
+            raise ModelUnavailable(f"{self}: the hub stopped sending {name} early; run again to resume it")
+        if outcome == "wrong":
+            raise ModelUnavailable(f"{self}: {name} as downloaded does not match the sha256 the hub lists "
+                                   f"({info.sha256[:16]}...); it was deleted, try again")
+        self.place(name, partial)
+        self.fetched.append(name)
+        for leftover in self.folder.glob(f"blobs/{info.sha256}.from-peers*"):
+            leftover.unlink(missing_ok=True)  # a download from peers that did not finish
 
     def _told(self, info: RepoFile) -> None:
         if self.on_fetched is not None:
@@ -438,16 +463,6 @@ def sha256_of(path: Path, chunk: int = 8 * 2**20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def _remove_cached(path: Path) -> None:
-    """Delete a cached file and the blob its snapshot link points at."""
-    blob = Path(os.path.realpath(path))
-    for p in (path, blob):
-        try:
-            p.unlink()
-        except OSError:
-            pass
 
 
 def _size(n: int | None) -> str:

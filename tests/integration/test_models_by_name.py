@@ -154,7 +154,7 @@ def test_a_shard_whose_hash_does_not_match_is_deleted_and_refused(hub, checkpoin
     shard = sorted(shards_of(checkpoint, ("model.layers.0.",)))[0]
     listed = weights.hub.files[shard]
     weights.hub.files[shard] = dataclasses.replace(listed, sha256="0" * 64)  # as if the hub listed other bytes
-    with pytest.raises(ModelUnavailable, match="deleted from the cache, try again"):
+    with pytest.raises(ModelUnavailable, match="does not match the sha256 the hub lists .* deleted, try again"):
         SpanBlocks(Checkpoint(weights.directory, source=weights.source), Span(0, 1), "float32", "cpu")
     assert not weights.hub.present(shard)
 
@@ -172,6 +172,22 @@ def test_a_disk_without_room_is_refused_before_the_download(hub, checkpoint, tmp
             weights.hub.fetch([big])
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(hub, checkpoint, tmp_path):
+    weights = open_weights(REPO, role="peer", hub=hub_of(hub, tmp_path), cache_home=tmp_path)
+    shard = max(weights.hub.weight_files, key=lambda f: weights.hub.files[f].size)
+    size = weights.hub.files[shard].size
+    hub.fail_after(shard, size // 3)
+    with pytest.raises(ModelUnavailable, match="run again to resume|could not reach the hub"):
+        weights.hub.fetch([shard])
+    again = open_weights(REPO, role="peer", hub=hub_of(hub, tmp_path), cache_home=tmp_path)  # a later run
+    hub.clear_log()
+    again.hub.fetch([shard])
+    ranges = [r.range for r in hub.log if r.filename == shard and r.method == "GET"]
+    assert len(ranges) == 1 and ranges[0].startswith("bytes=") and not ranges[0].startswith("bytes=0-")
+    assert sum(r.bytes_sent for r in hub.log if r.filename == shard) < size
+    assert (again.directory / shard).read_bytes() == (checkpoint / shard).read_bytes()
 
 
 def test_hub_access_honours_the_environment(hub, tmp_path):
