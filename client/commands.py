@@ -120,6 +120,8 @@ def register_api(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-id", dest="model_ids", action="append", default=None, metavar="ID",
                    help="the model's name in the swarm (default: the name its peers give it: its marker's, else one "
                    "made of its weights' digest); with several --model, none or one per --model, in the same order")
+    p.add_argument("--all-models", action="store_true", help="serve every model the swarm announces under a hub "
+                   "repo id (org/name), each fetched from the hub as a client fetches it; with --model, those too")
     add_options(p, ClientConfig, skip=("model_id",))
     add_options(p, ApiConfig)
     p.set_defaults(run=lambda args: _load("run_api", "client.api.gateway")(args))

@@ -59,7 +59,7 @@ from client.sampling import Sampling
 from client.connection import joined_node, require_peers
 from client.inference.swarm_client import SwarmClient
 from swarm import http, metrics
-from swarm.errors import SwarmError
+from swarm.errors import ConfigError, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -427,11 +427,31 @@ async def serve(config: ApiConfig, client_config: ClientConfig, models: list, st
             logger.info("api closed: %s", ", ".join(m.model_id for m in served))
 
 
+async def announced_models(client_config: ClientConfig) -> list[str]:
+    """The models the swarm's directory lists that can be fetched by name (hub repo ids), by id."""
+    from swarm.net import discovery, view
+    from swarm.weights.ref import is_repo_id
+
+    async with joined_node(client_config) as node:
+        listed = view.models(await discovery.directory(node))
+    named = [m for m in listed if is_repo_id(m)]
+    skipped = sorted(set(listed) - set(named))
+    if skipped:
+        logger.info("--all-models: not serving %s (local names, not hub repo ids: give them with --model DIR)",
+                    ", ".join(skipped))
+    return named
+
+
 def run_api(args) -> int:
     from swarm.config import from_args
     from swarm.signals import run_until_signal
 
     config = from_args(ApiConfig, args)
     client_config = from_args(ClientConfig, args)
-    models = served_models(args.model, args.model_ids, args.cache_home, client_config.revision)
+    values = args.model
+    if getattr(args, "all_models", False):
+        values = (values or []) + [m for m in asyncio.run(announced_models(client_config)) if m not in (values or [])]
+        if not values:
+            raise ConfigError("--all-models: the swarm announces no model under a hub repo id (org/name)")
+    models = served_models(values, args.model_ids, args.cache_home, client_config.revision)
     return run_until_signal(lambda stop: serve(config, client_config, models, stop))

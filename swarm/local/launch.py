@@ -140,10 +140,13 @@ class LocalSwarm:
 
         wait_until(ready, timeout, f"{proc.name} to serve", diagnostics=lambda: proc.text()[-3000:])
 
-    def start_api(self, name: str, model: Path, *extra: str, timeout: float = 120) -> Proc:
-        """`swarm api` for `model` joined to this swarm, on a free port; its base URL is `extra["url"]`."""
-        proc = self._spawn(name, ["api", "--model", str(model), "--initial-peers", *self.bootstrap_addrs,
-                                  "--port", "0", *extra])
+    def start_api(self, name: str, model: Path | str | None, *extra: str, timeout: float = 120,
+                  env: Mapping[str, str] | None = None) -> Proc:
+        """`swarm api` for `model` (None: only what `extra` names) joined to this swarm, on a free port; its base
+        URL is `extra["url"]`; `env`: variables added to its environment."""
+        models = ["--model", str(model)] if model is not None else []
+        proc = self._spawn(name, ["api", *models, "--initial-peers", *self.bootstrap_addrs, "--port", "0", *extra],
+                           env)
         proc.extra["url"] = self._wait_url(proc, "api at ", timeout)
         return proc
 

@@ -32,7 +32,8 @@ def whole_shards(server: HubServer) -> set[str]:
 
 
 def test_peers_from_a_hub_name_give_exact_text_and_share_their_weights(checkpoint, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with HubServer({REPO: checkpoint}) as hub, LocalSwarm(tmp_path / "swarm") as net:
         net.start_bootstrap()
@@ -58,6 +59,17 @@ def test_peers_from_a_hub_name_give_exact_text_and_share_their_weights(checkpoin
         assert "from peer" in replica.text() and first_shards
         header_bytes = sum(r.bytes_sent for r in hub.log if r.filename and r.filename.endswith(".safetensors"))
         assert header_bytes < 0.1 * sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))  # headers only
+
+        # an API serving every model the swarm announces by name, fetched as a client fetches it
+        api = net.start_api("api", None, "--all-models", env=hub.client_env(tmp_path / "hf-api"))
+        oai = openai.OpenAI(base_url=api.extra["url"], api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in oai.models.list()] == [REPO]
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+        out = local.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        got = oai.completions.create(model=REPO, prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert got.choices[0].text == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def test_a_peer_sending_wrong_bytes_is_banned_and_the_file_comes_from_elsewhere(checkpoint, tmp_path):

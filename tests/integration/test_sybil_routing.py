@@ -22,6 +22,7 @@ from swarm.net import records
 from swarm.errors import NoRoute
 from swarm.net.identity import Identity
 from swarm.net.transport import key_id
+from swarm.weights.digest import local_digest
 from swarm_harness import LocalSwarm, MODEL_ID, client_node, start_split
 
 pytestmark = pytest.mark.integration
@@ -34,14 +35,15 @@ CLAIMED_TPS = 1e9
 FRESH_CLIENTS = 3
 
 
-def sybil_records(identities: list[Identity], ttl: float = 120.0) -> list[tuple[str, str, bytes, float]]:
+def sybil_records(identities: list[Identity], digest: str, ttl: float = 120.0) -> list[tuple[str, str, bytes, float]]:
     """One online record per fake for every block: the whole model, absurdly fast, with room for anything, and
     sequence numbers far above the honest peers' (readers see them first)."""
     now = time.time()
     items = []
     for identity in identities:
         ann = records.Announcement(identity.peer_id, MODEL_ID, 0, NUM_BLOCKS, "online", CLAIMED_TPS, CLAIMED_TPS,
-                                   10**9, __version__, int(now * 1000) + 10**9, now, NUM_BLOCKS, sessions=0, queued=0)
+                                   10**9, __version__, int(now * 1000) + 10**9, now, NUM_BLOCKS, sessions=0, queued=0,
+                                   digest=digest)  # the honest peers' weights, copied
         for block in range(NUM_BLOCKS):
             key = records.block_key(MODEL_ID, block)
             items.append((key, identity.peer_id, records.seal(identity, ann, key_id(key), now + ttl), now + ttl))
@@ -59,11 +61,11 @@ def honest_swarm(tmp_path_factory, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def sybils(honest_swarm, loop) -> set[str]:
+def sybils(honest_swarm, loop, tiny_llama) -> set[str]:
     """The fakes' peer ids, once their records can be read back."""
     identities = [Identity.generate() for _ in range(SYBILS)]
     with client_node(loop, honest_swarm.bootstrap_addrs) as node:
-        stored = loop.run(node.put_records(sybil_records(identities)))
+        stored = loop.run(node.put_records(sybil_records(identities, local_digest(tiny_llama, None))))
         assert sum(stored.values()) == SYBILS * NUM_BLOCKS
         found = loop.run(node.get_records([records.block_key(MODEL_ID, 0)]))[records.block_key(MODEL_ID, 0)]
         assert {i.peer_id for i in identities} <= set(found)
