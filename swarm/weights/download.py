@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,11 +41,12 @@ def lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def fetch(url: str, headers: dict[str, str], partial: Path, size: int, sha256: str, what: str) -> str:
+def fetch(url: str, headers: dict[str, str], partial: Path, size: int, sha256: str, what: str,
+          stop: threading.Event | None = None) -> str:
     """Download `url` into `partial` (resuming it): "done" when it holds exactly the file `sha256` names,
     "short" when the server stopped early (the partial file stays, for the next run to resume), "wrong"
     when the bytes do not match (the partial file is removed). Network errors propagate (the partial
-    file stays)."""
+    file stays). `stop`: once set, the download ends after the block in hand ("short")."""
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
     have = partial.stat().st_size if partial.is_file() else 0
@@ -76,7 +78,7 @@ def fetch(url: str, headers: dict[str, str], partial: Path, size: int, sha256: s
                         last, rate = now, got / max(now - started, 1e-6)
                         logger.info("%s: %.1f of %.1f MiB, %.1f MiB/s, %.0f s left", what, (have + got) / 2**20,
                                     size / 2**20, rate / 2**20, (size - have - got) / max(rate, 1.0))
-                    if have + got >= size:
+                    if have + got >= size or (stop is not None and stop.is_set()):
                         break
                 out.flush()
                 os.fsync(out.fileno())

@@ -219,9 +219,10 @@ class HubModel:
         url = hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.hub.endpoint)
         try:
             outcome = download.fetch(url, build_hf_headers(token=self.hub.token), partial, info.size, info.sha256,
-                                     f"{name} of {self}")
+                                     f"{name} of {self}", self.stop)
         except Exception as exc:  # noqa: BLE001 - the network's and the hub's errors, each turned into what to do
             raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
+        self.stopping_check()
         if outcome == "short":
             raise ModelUnavailable(f"{self}: the hub stopped sending {name} early; run again to resume it")
         if outcome == "wrong":

@@ -4,6 +4,8 @@ wrong bytes banned, and peers with different weights under one name never in one
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from client.loop import LoopThread
 from client.model import DistributedModelForCausalLM
 from hub_repos import build_sharded_repo
 from hub_server import HubServer
-from swarm.local.launch import LocalSwarm
+from swarm.local.launch import LocalSwarm, wait_until
 from weights_adversary import LyingHolder
 
 pytestmark = pytest.mark.integration
@@ -100,6 +102,19 @@ def test_a_peer_sending_wrong_bytes_is_banned_and_the_file_comes_from_elsewhere(
             assert whole_shards(hub), "the shards came from the hub after the liar was caught"
         finally:
             loop.run(node.__aexit__(None, None, None), timeout=30)
+
+
+def test_a_peer_stops_at_once_while_it_downloads(checkpoint, tmp_path):
+    with HubServer({REPO: checkpoint}, rate=20_000) as hub, LocalSwarm(tmp_path / "swarm") as net:
+        net.start_bootstrap()
+        proc = net.start_peer("slow", REPO, "--blocks", "0:6", *OPTIONS, wait=False,
+                              env=hub.client_env(tmp_path / "hf"))
+        wait_until(lambda: "fetching model-" in proc.text(), 90, "the download to start",
+                   diagnostics=lambda: proc.text()[-2000:])
+        started = time.monotonic()
+        net.stop("slow", timeout=30)
+        assert time.monotonic() - started < 10
+        assert "stopped while loading" in proc.text()
 
 
 def test_peers_with_other_weights_under_one_name_are_never_in_one_route(checkpoint, tmp_path):
