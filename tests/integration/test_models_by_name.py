@@ -82,6 +82,21 @@ def test_a_client_fetches_config_tokenizer_templates_and_only_the_heads_shards(h
     assert not whole_files(hub) & (shards_of(checkpoint, ("model.layers.",)) - head)
 
 
+def test_a_single_file_checkpoint_is_sized_from_its_header_and_fetched_whole_when_a_block_loads(tmp_path):
+    from swarm.model.blocks import SpanBlocks
+    from swarm.model.checkpoint import Checkpoint
+
+    single = build_sharded_repo(tmp_path / "single", "llama", seed=3, max_shard_size=None)
+    assert (single / "model.safetensors").is_file()
+    with HubServer({"tiny-org/single": single}) as server:
+        weights = open_weights("tiny-org/single", role="peer", hub=hub_of(server, tmp_path), cache_home=tmp_path)
+        ckpt = Checkpoint(weights.directory, source=weights.source)
+        assert ckpt.block_bytes(0, torch.float32) > 0 and whole_files(server) == {"config.json"}
+        SpanBlocks(ckpt, Span(0, 2), "float32", "cpu")
+        assert whole_files(server) == {"config.json", "model.safetensors"}
+        assert weights.digest == open_weights(single, role="peer", cache_home=tmp_path).digest
+
+
 def test_the_same_weights_have_one_digest_from_the_hub_and_from_a_directory(hub, checkpoint, tmp_path):
     from_hub = open_weights(REPO, role="peer", hub=hub_of(hub, tmp_path), cache_home=tmp_path)
     from_dir = open_weights(checkpoint, role="peer", cache_home=tmp_path)
@@ -108,6 +123,16 @@ def test_offline_a_cached_model_is_used_as_it_is_and_nothing_else(hub, tmp_path)
         offline.hub.fetch(offline.hub.weight_files[:1])
     with pytest.raises(ModelUnavailable, match="not in the hub cache .* HF_HUB_OFFLINE is set"):
         open_weights("tiny-org/never-fetched", role="peer", hub=hub_of(hub, tmp_path, offline=True))
+
+
+def test_a_model_the_hub_client_cached_is_used_as_it_is_offline(hub, checkpoint, tmp_path):
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(REPO, cache_dir=tmp_path / "hub", endpoint=hub.url)  # as `hf download` leaves it
+    hub.clear_log()
+    offline = open_weights(REPO, role="client", hub=hub_of(hub, tmp_path, offline=True), cache_home=tmp_path)
+    assert hub.log == [] and not offline.hub.fetched
+    assert offline.digest == open_weights(checkpoint, role="peer", cache_home=tmp_path).digest
 
 
 def test_each_error_says_what_to_do(hub, checkpoint, tmp_path):
