@@ -67,8 +67,7 @@ def open_weights(value: str | Path, revision: str | None = None, *, role: str, m
 
 def _client_file(name: str) -> bool:
     """Files a client may need besides weights: configs, tokenizer, templates (not docs or images)."""
-    return "/" not in name and name.endswith((".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")) and \
-        name not in ("README.md",)
+    return "/" not in name and name.endswith((".json", ".jinja", ".txt", ".model", ".tiktoken"))
 
 
 def local_name(directory: Path, digest: str) -> str:
