@@ -72,9 +72,11 @@ def test_frozen_peer_is_routed_around(replicated, remote, expected):
 
 
 class Throttle:
-    """Makes a peer slow but alive: stopped for `stop_s`, then running for `run_s`, until `halt()`."""
+    """Makes a peer slow but alive: stopped for `stop_s`, then running for `run_s`, until `halt()`. A step
+    takes a few of these cycles (its work plus the transport's): 5 ms windows made that longer than the
+    step deadline on some machines (a timeout, not a slow peer); 20 ms keeps it slow and within it."""
 
-    def __init__(self, pid: int, stop_s: float = 0.2, run_s: float = 0.005):
+    def __init__(self, pid: int, stop_s: float = 0.2, run_s: float = 0.02):
         self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
