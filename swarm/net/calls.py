@@ -43,6 +43,11 @@ async def exchange(stream: Stream, msg: wire.Message, timeout: float,
         await wire.write_message(stream.writer, msg)
     except (ConnectionError, OSError) as e:
         raise ConnectionLost(f"peer {stream.remote} closed the stream ({type(e).__name__})") from None
+    return await receive(stream, timeout, max_tensor_bytes)
+
+
+async def receive(stream: Stream, timeout: float, max_tensor_bytes: int = MAX_REPLY_BYTES) -> wire.Message:
+    """The next message within `timeout` seconds; an ERROR message is raised as its typed error."""
     try:
         reply = await asyncio.wait_for(wire.read_message(stream.reader, max_tensor_bytes), timeout)
     except asyncio.TimeoutError:  # before OSError: on 3.11 it is the builtin TimeoutError, an OSError

@@ -196,10 +196,8 @@ class HubModel:
         logger.info("fetching %s of %s from %s (%s)", name, self, self.hub.endpoint, _size(info.size))
         try:
             hf_hub_download(self.repo, name, revision=self.commit, cache_dir=self.hub.cache_dir,
-                                    endpoint=self.hub.endpoint, token=self.hub.token, tqdm_class=logged_progress())
-        except OSError as exc:
-            raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
-        except Exception as exc:  # noqa: BLE001 - the hub client's own errors, each turned into what to do
+                            endpoint=self.hub.endpoint, token=self.hub.token, tqdm_class=logged_progress())
+        except Exception as exc:  # noqa: BLE001 - the hub client's own errors and the disk's, each turned into what to do
             raise _unavailable(exc, self.repo, self.revision, self.hub, name) from exc
         self.fetched.append(name)
         self._told(info)

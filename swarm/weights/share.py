@@ -34,7 +34,7 @@ from pathlib import Path
 from swarm.errors import (BadRequest, Busy, ConfigError, ConnectionLost, NotServing, ProtocolError, StepTimeout,
                           SwarmError, WeightsUnavailable)
 from swarm.net import messages as net_messages, wire
-from swarm.net.calls import decode_reply, raise_if_error
+from swarm.net.calls import decode_reply, receive
 from swarm.net.identity import PeerId
 from swarm.net.transport import Stream
 from swarm.weights import messages
@@ -237,18 +237,6 @@ async def _send(stream: Stream, msg: wire.Message) -> None:
         raise ConnectionLost(f"peer {stream.remote} closed the stream ({type(e).__name__})") from None
 
 
-async def _read(stream: Stream, timeout: float, max_tensor_bytes: int) -> wire.Message:
-    """The next message within `timeout` seconds; an `error` message is raised as its typed error."""
-    try:
-        msg = await asyncio.wait_for(wire.read_message(stream.reader, max_tensor_bytes), timeout)
-    except asyncio.TimeoutError:  # before OSError: on 3.11 it is the builtin TimeoutError, an OSError
-        raise StepTimeout(f"peer {stream.remote} sent nothing within {timeout:.1f} s") from None
-    except (EOFError, ConnectionError, OSError):
-        raise ConnectionLost(f"peer {stream.remote} closed the stream") from None
-    raise_if_error(msg)
-    return msg
-
-
 async def _held(node, peer: PeerId, sha256s: list[str], timeout: float) -> dict[str, int]:
     stream = await _open(node, peer, timeout)
     try:
@@ -256,7 +244,7 @@ async def _held(node, peer: PeerId, sha256s: list[str], timeout: float) -> dict[
         for i in range(0, len(sha256s), MAX_HAVE):
             batch = sha256s[i:i + MAX_HAVE]
             await _send(stream, Have(tuple(batch)).to_message())
-            held = decode_reply(Held, await _read(stream, timeout, 0), peer, "have")
+            held = decode_reply(Held, await receive(stream, timeout, 0), peer, "have")
             found.update((s, held.files[s]) for s in batch if s in held.files)  # names not asked are ignored
         return found
     finally:
@@ -304,7 +292,7 @@ async def _get(stream: Stream, request: Get, timeout: float, min_rate: float,
         if left <= 0:
             raise StepTimeout(f"peer {stream.remote} sent {got} of {request.length} bytes slower than "
                               f"{min_rate:.0f} bytes/s")
-        msg = await _read(stream, min(timeout, left), CHUNK_BYTES)
+        msg = await receive(stream, min(timeout, left), CHUNK_BYTES)
         if msg.type == messages.END:
             end = decode_reply(End, msg, stream.remote, "get")
             if end.length != request.length or got != request.length:
