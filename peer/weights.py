@@ -19,6 +19,7 @@ from swarm.errors import WeightsUnavailable
 from swarm.net import discovery, wire
 from swarm.net.transport import Node, describe_peer
 from swarm.weights.digest import local_hashes
+from swarm.weights.download import Progress
 from swarm.weights.hub import RepoFile
 from swarm.weights.models import Weights
 from swarm.weights.share import FileShare, fetch_file, find_holders
@@ -125,7 +126,7 @@ class Sharing:
             logger.info("fetching %s of %s (%.1f MiB) from %d peers that hold it", info.name, hub, info.size / 2**20,
                         len(holders))
             sender = await fetch_file(self.node, holders, info.sha256, info.size, part, banned=self.banned,
-                                      progress=Progress(info.name, info.size))
+                                      progress=Progress(info.name))
         except WeightsUnavailable as exc:
             logger.warning("%s: no peer delivered it (%s); asking the hub", info.name, exc)
             return False
@@ -135,23 +136,3 @@ class Sharing:
         logger.info("fetched %s from peer %s (%.1f MiB/s)", info.name, describe_peer(sender),
                     info.size / 2**20 / elapsed)
         return True
-
-
-class Progress:
-    """A download's progress in the log: bytes, rate and time left, at most every few seconds."""
-
-    EVERY_S = 5.0
-
-    def __init__(self, name: str, total: int):
-        self.name, self.total = name, total
-        self.started = self.last = time.monotonic()
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.last < self.EVERY_S or done >= total:
-            return
-        self.last = now
-        rate = done / max(now - self.started, 1e-6)
-        left = (total - done) / rate if rate > 0 else float("inf")
-        logger.info("%s: %.1f of %.1f MiB, %.1f MiB/s, %.0f s left", self.name, done / 2**20, total / 2**20,
-                    rate / 2**20, left)

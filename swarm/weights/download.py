@@ -29,6 +29,24 @@ PROGRESS_EVERY_S = 5.0
 TIMEOUT_S = 60.0  # a silence this long ends the attempt (the partial file stays for the next)
 
 
+class Progress:
+    """A download's progress in the log: bytes, rate and time left, at most every `PROGRESS_EVERY_S`; called
+    with (bytes done, total), counting from `start` (bytes a resumed download already had)."""
+
+    def __init__(self, what: str, start: int = 0):
+        self.what, self.start = what, start
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S or done >= total:
+            return
+        self.last = now
+        rate = max(done - self.start, 0) / max(now - self.started, 1e-6)
+        logger.info("%s: %.1f of %.1f MiB, %.1f MiB/s, %.0f s left", self.what, done / 2**20, total / 2**20,
+                    rate / 2**20, (total - done) / max(rate, 1.0))
+
+
 @contextlib.contextmanager
 def lock(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` between processes (and between threads opening it apart)."""
@@ -67,17 +85,13 @@ def fetch(url: str, headers: dict[str, str], partial: Path, size: int, sha256: s
                 have, digest = 0, hashlib.sha256()
             with open(partial, "r+b" if have else "wb") as out:
                 out.seek(have)
-                started, last, got = time.monotonic(), time.monotonic(), 0
+                progress, got = Progress(what, have), 0
                 for block in response.iter_bytes():  # as it arrives: an interruption keeps every byte that came
                     block = block[:size - have - got]  # never more than the listed size
                     out.write(block)
                     digest.update(block)
                     got += len(block)
-                    now = time.monotonic()
-                    if now - last >= PROGRESS_EVERY_S:
-                        last, rate = now, got / max(now - started, 1e-6)
-                        logger.info("%s: %.1f of %.1f MiB, %.1f MiB/s, %.0f s left", what, (have + got) / 2**20,
-                                    size / 2**20, rate / 2**20, (size - have - got) / max(rate, 1.0))
+                    progress(have + got, size)
                     if have + got >= size or (stop is not None and stop.is_set()):
                         break
                 out.flush()

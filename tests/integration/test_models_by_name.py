@@ -186,7 +186,7 @@ def test_a_shard_whose_hash_does_not_match_is_deleted_and_refused(hub, checkpoin
 
 def test_a_disk_without_room_is_refused_before_the_download(hub, checkpoint, tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")  # CI runs as root
+        pytest.skip("needs root to mount a small tmpfs as the full disk; CI runs as root, so it runs there")
     small = tmp_path / "small"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(small)], check=True)
