@@ -77,6 +77,7 @@ class PeerView:
     dtype: str = "float32"
     quant: str = "none"
     digest: str | None = None  # which weights exactly (from its record; peers with other weights never share routes)
+    reach: str | None = None  # "direct" or "relay": how the peer is reached (from its record)
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,12 @@ def peer_view(ann: Announcement, ping: Ping | None, now: float) -> PeerView:
     if state != "online":
         return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, ann.throughput,
                         ann.cache_tokens_left, None, None, ann.version, None, round(max(0.0, now - ann.issued_at), 1),
-                        ann.device or "cpu", dtype, quant, ann.digest)
+                        ann.device or "cpu", dtype, quant, ann.digest, ann.reach)
     info = ping.info  # checked by its decode: types and ranges
     return PeerView(ann.peer, describe_peer(ann.peer), ann.start, ann.end, state, info.throughput,
                     info.cache_tokens_left, info.sessions, info.queued, ann.version, round(ping.latency_ms, 2),
-                    round(max(0.0, now - ann.issued_at), 1), info.device, info.dtype, info.quant, ann.digest)
+                    round(max(0.0, now - ann.issued_at), 1), info.device, info.dtype, info.quant, ann.digest,
+                    ann.reach)
 
 
 def model_view(model: str, num_blocks: int, peers: Sequence[PeerView]) -> ModelView:

@@ -253,7 +253,7 @@ def run_status(args: argparse.Namespace) -> int:
                 "cache_tokens_left": p.cache_tokens_left, "version": p.version,
                 "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
                 "sessions": p.sessions, "queued": p.queued, "since": p.since, "links": p.links, "device": p.device,
-                "dtype": p.dtype, "quant": p.quant, "digest": p.digest}
+                "dtype": p.dtype, "quant": p.quant, "digest": p.digest, "reach": p.reach}
 
     config = from_args(ClientConfig, args)
     if args.model is None and not config.model_id and args.num_blocks is None:  # every model of the swarm
@@ -302,13 +302,13 @@ def run_status(args: argparse.Namespace) -> int:
         mine = f"; this checkpoint's: {digest[:12]}" if digest else ""
         print(f"weights served: {', '.join(v[:12] for v in versions)}{mine} (peers with other weights are never "
               "in one route)")
-    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'DEVICE':<6} {'WEIGHTS':<14} {'DIGEST':<12} {'TOKENS/S':>9} "
+    print(f"{'PEER':<54} {'BLOCKS':<10} {'STATE':<8} {'DEVICE':<6} {'WEIGHTS':<14} {'DIGEST':<12} {'REACH':<6} {'TOKENS/S':>9} "
           f"{'CACHE LEFT':>11} {'SESSIONS':>8} {'QUEUED':>6} {'LATENCY':>9}  VERSION")
     for p in peers:
         latency = "-" if p.latency_ms is None else f"{p.latency_ms:.1f} ms"
         sessions, queued = ("-" if v is None else str(v) for v in (p.sessions, p.queued))
         print(f"{p.peer:<54} {str(p.span):<10} {p.state:<8} {p.device:<6} {p.format:<14} {(p.digest or '-')[:12]:<12} "
-              f"{p.throughput:>9.1f} "
+              f"{p.reach or '-':<6} {p.throughput:>9.1f} "
               f"{p.cache_tokens_left:>11} {sessions:>8} {queued:>6} {latency:>9}  {p.version}")
     print("uncovered blocks: " + (", ".join(map(str, uncovered)) if uncovered else "none"))
     return 0

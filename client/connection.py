@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import weakref
+from pathlib import Path
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -20,6 +21,8 @@ from client.loop import LoopThread
 from client.inference.swarm_client import SwarmClient
 from swarm.errors import ConfigError
 from swarm.net.identity import Identity
+from swarm.cli import cache_home
+from swarm.net import known_peers
 from swarm.net.transport import Node
 
 logger = logging.getLogger(__name__)
@@ -59,7 +62,8 @@ async def joined_node(config: ClientConfig, *, settle: bool = True) -> AsyncIter
         async with LightNode(config.initial_peers) as node:
             yield node
         return
-    async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True) as node:
+    async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True,
+                    known_peers=known_peers.path_for(None, Path(cache_home()))) as node:
         yield node
 
 

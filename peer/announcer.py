@@ -71,7 +71,8 @@ class Announcer:
                                    int(figures.cache_tokens_left), __version__, self._next_seq(), now,
                                    self.num_blocks, figures.sessions, figures.queued, round(self.since, 3),
                                    figures.links or None, figures.max_blocks,
-                                   *(figures.precision or (None, None, None)), digest=self.digest)
+                                   *(figures.precision or (None, None, None)), digest=self.digest,
+                                   reach=getattr(self.node, "reached_by", None))
         expiration = now + self.ttl
         own = self.identity.peer_id
         keys = [records.block_key(self.model_id, block) for block in self.span]

@@ -36,11 +36,17 @@ class PeerConfig:
                                        "(default: 80%% of available memory)", parse=parse_bytes)
     model_id: str | None = option(None, help="the model's name in the swarm (default: the hub repo id; for a "
                                   "directory, the name its marker gives, else one made of its weights' digest)")
-    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    host: str = option("0.0.0.0", help="address to listen on (default: all interfaces; 127.0.0.1: this machine "
+                       "only)")
     port: int = option(0, help="TCP port to listen on (0: any free port)")
     announce_host: str | None = option(None, help="public address to announce, if different from --host")
     announce_port: int | None = option(None, help="public TCP port to announce, if different from --port (a "
                                        "forwarded port or a proxy in front of this peer)")
+    reachability: str = option("auto", help="how other machines reach this peer: auto (ask the peers it joins "
+                               "through to dial it back; behind a NAT, through relays), public or private")
+    relay: bool = option(True, help="when reachable directly, relay for peers behind NATs, within --relay-circuits "
+                         "(--no-relay: never)")
+    relay_circuits: int = option(4, help="relayed connections at once to each peer this peer relays for")
     identity: Path | None = option(None, help="Ed25519 key file, created on first start (default: a new identity "
                                    "each start)")
     device: str = option("auto", help="where the blocks compute: auto (a CUDA GPU if present, else Apple's MPS, "
@@ -99,7 +105,7 @@ class PeerConfig:
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
                     "idle_timeout", "max_queue", "reclaim_idle", "client_forwards", "announce_interval", "record_ttl",
-                    "rebalance_interval", "check_interval", "drain_timeout")
+                    "rebalance_interval", "check_interval", "drain_timeout", "relay_circuits")
         optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget", "threads")
                     if getattr(self, n) is not None and getattr(self, n) < 1]
         check_positive(self, positive, tuple(optional))
@@ -112,8 +118,11 @@ class PeerConfig:
         if self.announce_interval >= self.record_ttl:
             raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
                               "announcements")
+        if self.reachability not in ("auto", "public", "private"):
+            raise ConfigError(f"--reachability must be auto, public or private, not {self.reachability!r}")
         check_port(self.port, "--port")
         check_port(self.announce_port, "--announce-port")
         check_port(self.metrics_port, "--metrics-port")
-        if self.metrics_port == self.port != 0 and self.metrics_host == self.host:
+        same_host = self.metrics_host == self.host or "0.0.0.0" in (self.metrics_host, self.host)
+        if self.metrics_port == self.port != 0 and same_host:
             raise ConfigError(f"--metrics-port and --port are both {self.port}: give metrics a port of its own")

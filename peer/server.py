@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from pathlib import Path
 import logging
 import math
 import random
@@ -40,6 +41,8 @@ from peer.sessions import SessionTable
 from peer.weights import Sharing
 from swarm import __version__
 from swarm.cli import cache_home
+from swarm.net import known_peers
+from swarm.net.reach import RelayLimits
 from swarm.net import view, wire
 from peer import placement, selection
 from swarm.model.blocks import SpanBlocks
@@ -153,7 +156,9 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     metrics = PeerMetrics()
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
-                    initial_peers=config.initial_peers) as node, \
+                    initial_peers=config.initial_peers, reachability=config.reachability,
+                    relay=RelayLimits(circuits=config.relay_circuits) if config.relay else None,
+                    known_peers=known_peers.path_for(config.identity, Path(cache_home()))) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
         peer = Peer(config, node, identity, ckpt, model_id, metrics, precision, digest=weights.digest)
         peer.sharing = Sharing(node, weights, ckpt.num_blocks, config, cache_home())

@@ -63,6 +63,7 @@ class PeerState:
     dtype: str = "float32"
     quant: str = "none"
     digest: str | None = None  # which weights (None: a peer that does not say)
+    reach: str | None = None  # "direct" or "relay" (None: on one machine, or a peer that does not say)
 
     @property
     def format(self) -> str:
@@ -109,7 +110,7 @@ class SwarmClient:
                            if a.span.end <= self.num_blocks and (not allowed or p in allowed)}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
                                         a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights,
-                                        a.digest)
+                                        a.digest, a.reach)
                            for p, a in latest.items()}
             self._refreshed = time.monotonic()
             unproven = [p for p in self.offers if not self.measurements.proven(p) and not self.bans.banned(p)]

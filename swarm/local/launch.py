@@ -125,8 +125,9 @@ class LocalSwarm:
         runs the command line (tests run altered peers this way)."""
         identity = self.root / f"{name}.key"
         peer_id = load_or_create(identity).peer_id
+        host = [] if "--host" in extra else ["--host", "127.0.0.1"]  # a local swarm: this machine only
         proc = self._spawn(name, ["peer", "--model", str(model), "--initial-peers", *self.bootstrap_addrs,
-                                  "--identity", str(identity), *extra], env, program)
+                                  "--identity", str(identity), *host, *extra], env, program)
         proc.peer_id = peer_id
         if wait:
             self.wait_serving(proc, timeout)

@@ -82,6 +82,12 @@ def verify(peer_id: str, signature: bytes, message: bytes) -> bool:
         return False
 
 
+
+def describe_peer(peer: str) -> str:
+    """Short form of a peer id for logs: the last 8 characters."""
+    return f"…{peer[-8:]}"
+
+
 @dataclass(frozen=True)
 class Identity:
     private_key: Ed25519PrivateKey

@@ -62,10 +62,11 @@ MAX_DIRECTORY_VALUE_BYTES = 576
 # Fields older payloads lack; omitted from the payload when None, never null. Only `num_blocks` and
 # `digest` may appear in a directory record.
 _OPTIONAL = ("num_blocks", "sessions", "queued", "since", "links", "max_blocks", "device", "dtype", "quant",
-             "digest")
+             "digest", "reach")
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 RECORD_DTYPES = ("float32", "bfloat16", "float16")
 RECORD_QUANTS = ("none", "int8", "nf4")
+REACH = ("direct", "relay")  # how a peer is reached: dialled directly, or through a relay (it is behind a NAT)
 MAX_LINKS = 16  # round trips to next peers in one record at most
 LINK_ID_CHARS = 8  # a next peer is named by the last characters of its id: compact, and enough to match
 
@@ -138,6 +139,7 @@ class Announcement:
     quant: str | None = None
     # Which weights exactly (swarm.weights.digest): peers whose digests differ are never chained.
     digest: str | None = None
+    reach: str | None = None  # one of REACH (block records only; absent on one machine and in older records)
     extra: dict = field(default_factory=dict, compare=False)  # optional fields of newer versions, kept as-is
 
     @property
@@ -147,7 +149,8 @@ class Announcement:
     def for_directory(self) -> Announcement:
         """This announcement as the directory holds it: only the fields every version knows there."""
         return dataclasses.replace(self, sessions=None, queued=None, since=None, links=None,
-                                   max_blocks=None, device=None, dtype=None, quant=None, extra={})
+                                   max_blocks=None, device=None, dtype=None, quant=None, reach=None,
+                                   extra={})
 
     @property
     def weights(self) -> tuple[str, str]:
@@ -209,7 +212,8 @@ class Announcement:
                 raise RecordRejected(f"{name} must be a non-negative integer")
         if self.digest is not None and not (isinstance(self.digest, str) and _DIGEST.fullmatch(self.digest)):
             raise RecordRejected("digest must be 32 lowercase hex digits")
-        for name, allowed in (("device", DEVICE_KINDS), ("dtype", RECORD_DTYPES), ("quant", RECORD_QUANTS)):
+        for name, allowed in (("device", DEVICE_KINDS), ("dtype", RECORD_DTYPES), ("quant", RECORD_QUANTS),
+                              ("reach", REACH)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise RecordRejected(f"{name} {getattr(self, name)!r} is not one of {allowed}")
         if self.since is not None and not is_num(self.since):

@@ -30,7 +30,7 @@ Invariants:
   end as they do when peers do not answer, with nothing to cancel (cancelling one midway leaves
   hivemind's waiting tasks pending forever), and our own DHT calls fail fast with `SwarmError`.
 - hivemind's package `__init__` imports torch; DHT-only processes (the bootstrap) must not. We load
-  hivemind's torch-free submodules directly (see `_load_hivemind`).
+  hivemind's torch-free submodules directly (`swarm.net.dht_glue`).
 """
 
 from __future__ import annotations
@@ -38,108 +38,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import logging
 import subprocess
 import sys
 import tempfile
-import time
-import types
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.net import records, reaper
+from swarm.net import presence, reach, reaper
+from swarm.net.dht_glue import hm as _hm, key_id  # noqa: F401 (key_id: part of this module's interface)
+from swarm.net.dht_glue import make_validator as _make_validator, validate_entries as _validate_entries
+from swarm.net.known_peers import KnownPeers
 from swarm.errors import ConfigError, ConnectionLost, SwarmError, SwarmUnreachable
-from swarm.net.identity import Identity, PeerId
+from swarm.net.identity import Identity, PeerId, describe_peer
 
 logger = logging.getLogger(__name__)
 
-MAX_STORED_VALUE = records.MAX_VALUE_BYTES + 16  # msgpack framing of the envelope
 # Stopping, per stage (seconds). Measured on loopback, all the stages together take about 20 ms; the bounds
 # only matter when something hangs.
 STOP_DHT_S = 1.0  # the DHT removes its handlers from the daemon
 STOP_DAEMON_S = 2.0  # the daemon exits after SIGTERM, else it is killed
 STOP_TASKS_S = 1.0  # hivemind's client tasks end once cancelled
-
-
-def _load_hivemind() -> types.SimpleNamespace:
-    """hivemind's DHT and P2P classes, without executing hivemind's package __init__ (torch).
-
-    If hivemind was already imported normally, its modules are used as they are.
-    """
-    if "hivemind" not in sys.modules:
-        root = importlib.util.find_spec("hivemind").submodule_search_locations[0]
-        for name, sub in (("hivemind", ""), ("hivemind.utils", "/utils"), ("hivemind.dht", "/dht")):
-            mod = types.ModuleType(name)
-            mod.__path__, mod.__package__ = [root + sub], name
-            sys.modules[name] = mod
-        from hivemind.utils import logging as hm_logging, serializer, timed_storage
-
-        utils = sys.modules["hivemind.utils"]
-        utils.get_logger, utils.get_dht_time = hm_logging.get_logger, timed_storage.get_dht_time
-        utils.MSGPackSerializer, utils.SerializerBase = serializer.MSGPackSerializer, serializer.SerializerBase
-    from hivemind.dht.node import DHTNode
-    from hivemind.dht.routing import DHTID
-    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-    from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, DHTRecord=DHTRecord,
-                                 RecordValidatorBase=RecordValidatorBase, P2P=P2P,
-                                 P2PDaemonError=P2PDaemonError,
-                                 P2PHandlerError=P2PHandlerError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
-
-
-@functools.cache
-def _hm() -> types.SimpleNamespace:
-    return _load_hivemind()
-
-
-@functools.lru_cache(maxsize=65536)
-def key_id(key: str) -> bytes:
-    """The id under which the DHT stores `key` (what records are signed over; `records.key_id`)."""
-    return records.key_id(key)
-
-
-def _make_validator(counters: dict[str, int]):
-    hm = _hm()
-
-    class AnnouncementValidator(hm.RecordValidatorBase):
-        """Applies `records.verify` and the sequence guard to every record stored or read."""
-
-        def __init__(self):
-            self.guard = records.SequenceGuard()
-
-        def validate(self, record) -> bool:
-            now = time.time()
-            try:
-                if len(record.value) > MAX_STORED_VALUE or len(record.subkey) > 128:
-                    raise records.RecordRejected("oversize value or subkey")
-                subkey = hm.MSGPackSerializer.loads(record.subkey)
-                value = hm.MSGPackSerializer.loads(record.value)
-                ann = records.verify(record.key, subkey, value, record.expiration_time, now, key_id)
-                self.guard.admit(record.key, subkey, ann.seq, value, record.expiration_time, now)
-            except Exception as e:  # boundary: anything wrong with an outside record means "reject it"
-                counters["rejected"] += 1
-                logger.debug("rejected a record: %s", e)
-                return False
-            counters["accepted"] += 1
-            return True
-
-    return AnnouncementValidator()
-
-
-def _validate_entries(protocol, key: bytes, dictionary) -> bool:
-    """hivemind's `DHTProtocol._validate_dictionary`, entry by entry: removes from `dictionary` each
-    entry the protocol's validator refuses and keeps the rest; False only if it refused every entry."""
-    with dictionary.freeze():
-        refused = [subkey for subkey, (value, expiration) in dictionary.items()
-                   if not protocol.record_validator.validate(
-                       _hm().DHTRecord(key, protocol.serializer.dumps(subkey), value, expiration))]
-    for subkey in refused:
-        del dictionary[subkey]
-    return bool(dictionary) or not refused
 
 
 @dataclass
@@ -182,13 +102,39 @@ def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "::1")
 
 
+def _relay_refusal(error: str) -> str:
+    """What a relay's refusal in a dial error means, for the error's reader ("" when there is none)."""
+    if "RESOURCE_LIMIT_EXCEEDED" in error:
+        return " (the relay is at its limit of circuits to this peer: it refuses new ones while the open ones go on)"
+    if "NO_RESERVATION" in error:
+        return " (the peer holds no slot on that relay any more)"
+    return ""
+
+
+def _with_flags(extra: dict):
+    """hivemind's `P2P._make_process_args` with more daemon flags (the relay's limits, static relays)."""
+    make = _hm().P2P._make_process_args
+
+    def make_process_args(*args, **kwargs):
+        return make(*args, **{**kwargs, **extra})
+
+    return staticmethod(make_process_args)
+
+
 class Node:
     """A DHT node with a libp2p daemon. `async with Node(...) as node:`; see the module docstring."""
 
     def __init__(self, identity: Identity, *, identity_path: str | Path | None = None, host: str = "127.0.0.1",
                  port: int = 0, announce_host: str | None = None, announce_port: int | None = None,
-                 initial_peers: Sequence[str] = (),
-                 client_mode: bool = False, dht_wait_timeout: float = 3.0):
+                 initial_peers: Sequence[str] = (), client_mode: bool = False, dht_wait_timeout: float = 3.0,
+                 reachability: str = "auto", relay: reach.RelayLimits | None = None,
+                 known_peers: str | Path | None = None, join_alone: bool = False):
+        """`reachability`: auto (ask peers to dial back), public or private. `relay`: what this node gives others
+        as a relay when public (None: it relays for nobody). `known_peers`: the file of peers met
+        (`swarm.net.known_peers`), joined through when no initial peer answers. `join_alone`: with no initial
+        peer given and none of the peers met answering, start as the swarm's first node (a bootstrap)."""
+        if reachability not in ("auto", reach.PUBLIC, reach.PRIVATE):
+            raise ConfigError(f"reachability {reachability!r} must be auto, public or private")
         self.identity = identity
         self.peer_id = identity.peer_id
         self._identity_path = Path(identity_path) if identity_path else None
@@ -196,60 +142,158 @@ class Node:
         self.initial_peers = list(initial_peers)
         self.client_mode = client_mode
         self.dht_wait_timeout = dht_wait_timeout
+        self.reachability, self.relay, self.join_alone = reachability, relay, join_alone
+        self.known = KnownPeers(Path(known_peers)) if known_peers else None
+        self.reach, self.reach_why = reach.UNKNOWN, ""  # how others reach this node (local on one machine)
+        self.relays: list[str] = []  # ids of the relays this node is reachable through
         self.counters = {"accepted": 0, "rejected": 0}
-        self._p2p = self._dht = self._reaper = None
+        self._p2p = self._dht = self._reaper = self._watch = None
+        self._port = port
+        self._joined_through: list[str] = list(initial_peers)
         self._daemon_exit: asyncio.Task | None = None  # done once the daemon process has exited
         self._stopping = False
+
+    @property
+    def local(self) -> bool:
+        """A swarm on this machine only: loopback host, or every initial peer on loopback (no probe, no relay)."""
+        return _is_loopback(self.host) or (bool(self.initial_peers) and all(
+            reach.is_loopback_addr(a) for a in self.initial_peers))
 
     async def __aenter__(self) -> Node:
         hm = _hm()
         for addr in self.initial_peers:
-            if "/p2p/" not in addr or not addr.startswith("/"):
-                raise ConfigError(f"initial peer {addr!r} is not a full multiaddr like "
-                                  "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+            reach.check_initial_peer(addr, _hm().PeerID.from_base58)
         if self.announce_host and not (self.port or self.announce_port):
             raise ConfigError("--announce-host needs a fixed --port (or --announce-port): the announced address must "
                               "be reachable")
+        try:
+            if self.local:
+                loopback = _is_loopback(self.host)
+                self.reach = reach.LOCAL
+                await self._start_daemon({"auto_nat": not loopback, "nat_port_map": not loopback}, {},
+                                         self.initial_peers)
+            else:
+                await self._join()
+            try:
+                self._dht = await hm.DHTNode.create(
+                    p2p=self._p2p, initial_peers=self._joined_through or None,
+                    client_mode=self.client_mode or self.reach == reach.PRIVATE,
+                    record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
+                    cache_locally=False, cache_nearest=0)
+            except RuntimeError as e:  # hivemind's way of saying no initial peer answered
+                raise SwarmUnreachable(f"none of the initial peers answered ({e}); is the bootstrap node running "
+                                       f"and reachable at {', '.join(self._joined_through)}?") from None
+            self._dht.protocol._validate_dictionary = functools.partial(_validate_entries, self._dht.protocol)
+            if not self.client_mode:
+                helper = reach.Helper(self._observed_ip, self.dialable_maddrs)
+                await self.serve(reach.REACH_PROTOCOL, lambda s: helper.handle(s.reader, s.writer, s.remote))
+            if not self.local:
+                self._watch = asyncio.create_task(presence.watch(self), name="reachability watch")
+        except BaseException:
+            await self._stop()
+            raise
+        return self
+
+    async def _start_daemon(self, kwargs: dict, extra: dict, initial: Sequence[str]) -> None:
+        """Start the daemon (and its reaper) with these `P2P.create` arguments and extra daemon flags."""
+        hm = _hm()
+        if self.local:
+            host_maddrs = [f"/ip4/{self.host}/tcp/{self.port}"]
+        else:
+            host_maddrs = [f"/ip4/{self.host}/tcp/{self._port}", f"/ip4/{self.host}/udp/{self._port}/quic-v1"]
+        announce = None
+        if self.announce_host or self.announce_port:
+            announce = [f"/ip4/{self.announce_host or self.host}/tcp/{self.announce_port or self.port}"]
+        p2p_class = type("SwarmP2P", (hm.P2P,), {"_make_process_args": _with_flags(extra)}) if extra else hm.P2P
         with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
             key_path = self._identity_path
             if key_path is None:  # ephemeral identity: the daemon reads the file at start only
                 key_path = Path(tmp) / "identity.key"
                 self.identity.save(key_path)
-            loopback = _is_loopback(self.host)
-            announce = None
-            if self.announce_host or self.announce_port:
-                announce = [f"/ip4/{self.announce_host or self.host}/tcp/{self.announce_port or self.port}"]
             try:
-                self._p2p = await hm.P2P.create(
-                    initial_peers=self.initial_peers or None, host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
-                    announce_maddrs=announce, identity_path=str(key_path), check_if_identity_free=False,
-                    auto_nat=not loopback, nat_port_map=not loopback,
-                    dht_mode="client" if self.client_mode else "server")
+                self._p2p = await p2p_class.create(
+                    initial_peers=list(initial) or None, host_maddrs=host_maddrs, announce_maddrs=announce,
+                    identity_path=str(key_path), check_if_identity_free=False,
+                    dht_mode="client" if self.client_mode else "server", **kwargs)
             except hm.P2PDaemonError as e:
                 if "bootstrap" in str(e):
-                    raise SwarmUnreachable(f"cannot reach any initial peer ({', '.join(self.initial_peers)}); is the "
+                    raise SwarmUnreachable(f"cannot reach any initial peer ({', '.join(initial)}); is the "
                                            "bootstrap node running and reachable?") from None
                 raise SwarmError(f"the transport daemon failed to start on {self.host}:{self.port}: {e}") from None
         self._daemon_exit = asyncio.create_task(self._p2p._child.wait(), name="transport daemon exit")
         self._daemon_exit.add_done_callback(self._on_daemon_exit)
-        try:
-            self._reaper = subprocess.Popen([sys.executable, "-S", reaper.__file__, str(self._p2p._child.pid)],
-                                            stdin=subprocess.PIPE)
-            if str(self._p2p.peer_id) != self.peer_id:
-                raise RuntimeError(f"transport daemon runs as {self._p2p.peer_id}, expected {self.peer_id}")
+        self._reaper = subprocess.Popen([sys.executable, "-S", reaper.__file__, str(self._p2p._child.pid)],
+                                        stdin=subprocess.PIPE)
+        if str(self._p2p.peer_id) != self.peer_id:
+            raise RuntimeError(f"transport daemon runs as {self._p2p.peer_id}, expected {self.peer_id}")
+
+    async def _join(self) -> None:
+        """Join off this machine: through the initial peers, else the peers met before; then find out how this
+        node is reached and restart the daemon set for it (a relayed node reserves slots on relays)."""
+        self._port = self.port or reach.free_port(self.host)
+        given = list(self.initial_peers)
+        met = self.known.join_addrs(exclude={reach.peer_of(a) for a in given}) if self.known else []
+        wanted = self.reachability if self.reachability != "auto" else reach.UNKNOWN
+        role = "client" if self.client_mode else wanted
+        kwargs, extra = reach.daemon_settings(role, relays=given + met, limits=self.relay)
+        attempts = [a for a in (given, met) if a] or [[]]
+        for i, initial in enumerate(attempts):
             try:
-                self._dht = await hm.DHTNode.create(
-                    p2p=self._p2p, initial_peers=self.initial_peers or None, client_mode=self.client_mode,
-                    record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
-                    cache_locally=False, cache_nearest=0)
-            except RuntimeError as e:  # hivemind's way of saying no initial peer answered
-                raise SwarmUnreachable(f"none of the initial peers answered ({e}); is the bootstrap node running "
-                                       f"and reachable at {', '.join(self.initial_peers)}?") from None
-            self._dht.protocol._validate_dictionary = functools.partial(_validate_entries, self._dht.protocol)
-        except BaseException:
-            await self._stop()
-            raise
-        return self
+                await self._start_daemon(kwargs, extra, initial)
+                self._joined_through = list(initial)
+                break
+            except SwarmUnreachable:
+                await self._stop_transport()
+                if i + 1 < len(attempts):
+                    logger.warning("no initial peer answered (%s); joining through %d peers met before",
+                                   ", ".join(given), len(met))
+                elif self.join_alone and not given:
+                    logger.warning("none of the %d peers met before answered: starting alone", len(initial))
+                    await self._start_daemon(kwargs, extra, [])
+                    self._joined_through = []
+                else:
+                    raise
+        if self.client_mode:
+            self.reach = "client"
+            return
+        if self.reachability != "auto":
+            self.reach, self.reach_why = self.reachability, "as configured"
+        else:
+            helpers = [str(info.peer_id) for info in await self._p2p.list_peers()]
+            self.reach, self.reach_why = await reach.check(self._open_rw, helpers, self._port)
+        logger.info("reachability: %s (%s)", self.reach, self.reach_why)
+        if self.reach in (reach.PUBLIC, reach.PRIVATE) and self.reachability == "auto":
+            kwargs, extra = reach.daemon_settings(self.reach, relays=given + met, limits=self.relay)
+            await self._stop_transport()
+            await self._start_daemon(kwargs, extra, self._joined_through)
+
+    async def dialable_maddrs(self) -> list[str]:
+        """The addresses other machines can dial this node at directly: none behind a NAT (it is reached through
+        its relays) or on one machine; otherwise its visible addresses but loopback ones."""
+        if self.reach in (reach.PRIVATE, reach.LOCAL):
+            return []
+        return [a for a in await self.maddrs() if reach.ip_of(a) and not reach.is_loopback_addr(a)]
+
+    async def _open_rw(self, peer: str, protocol: str):
+        stream = await self.open(PeerId(peer), protocol)
+        return stream.reader, stream.writer
+
+    async def _observed_ip(self, peer: str) -> str | None:
+        for info in await self._p2p.list_peers():
+            if str(info.peer_id) == peer:
+                for addr in info.addrs:
+                    if (ip := reach.ip_of(str(addr))) is not None:
+                        return ip
+        return None
+
+    # ---- reachability ----
+
+    @property
+    def reached_by(self) -> str | None:
+        """What records say of how this node is reached: "relay", "direct", or None on one machine."""
+        if self.reach == reach.LOCAL or self.client_mode:
+            return None
+        return "relay" if self.reach == reach.PRIVATE else "direct"
 
     async def __aexit__(self, *exc) -> None:
         await self._stop()
@@ -258,19 +302,28 @@ class Node:
         """Stop in order, each stage bounded: the DHT (while the daemon can still hear it), the daemon, the
         daemon client's tasks, the reaper. Never raises: whatever fails here, the next stage still runs."""
         self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only logs
+                await self._watch
+            self._watch = None
         if self._dht is not None:
             with contextlib.suppress(Exception):  # best effort: the daemon forgets the handlers when it exits
                 await asyncio.wait_for(self._dht.shutdown(), STOP_DHT_S)
             self._dht.is_alive = False  # ends its background loops even if its shutdown did not finish
             self._dht = None
-        if self._p2p is not None:
-            await self._stop_daemon()
-            await self._collect_client_tasks()
+        await self._stop_transport()
+
+    async def _stop_transport(self) -> None:
+        """The daemon, its client's tasks, the reaper (also between two starts of the daemon while joining)."""
         if self._daemon_exit is not None:
-            self._daemon_exit.cancel()
+            self._daemon_exit.cancel()  # first: a daemon stopped on purpose is not reported as lost
             with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only the exit code
                 await self._daemon_exit
             self._daemon_exit = None
+        if self._p2p is not None:
+            await self._stop_daemon()
+            await self._collect_client_tasks()
         self._p2p = None
         if self._reaper is not None:
             self._reaper.stdin.close()  # end of file: the reaper finds the daemon gone and exits
@@ -398,13 +451,11 @@ class Node:
             _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, protocol)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, _hm().P2PDaemonError,
                 _hm().P2PHandlerError) as e:
-            raise ConnectionLost(f"cannot open {protocol} to peer {describe_peer(peer)}: {e}") from None
+            raise ConnectionLost(f"cannot open {protocol} to peer {describe_peer(peer)}: {e}{_relay_refusal(str(e))}") \
+                from None
         return Stream(reader, writer, peer)
 
 
-def describe_peer(peer: str) -> str:
-    """Short form of a peer id for logs: the last 8 characters."""
-    return f"…{peer[-8:]}"
 
 
 __all__ = ["Node", "Stream", "key_id", "describe_peer"]

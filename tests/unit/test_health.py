@@ -101,7 +101,7 @@ def test_json_document_and_gauges():
     assert model["model"] == "m" and model["num_blocks"] == 6 and model["uncovered"] == [3, 4, 5]
     assert set(model["peers"][0]) == {"peer", "name", "start", "end", "state", "throughput", "cache_tokens_left",
                                       "sessions", "queued", "version", "latency_ms", "record_age_s", "device",
-                                      "dtype", "quant", "digest"}
+                                      "dtype", "quant", "digest", "reach"}
     gauges = {(name, tuple(sorted(labels.items()))): value for name, _, value, labels in snap.gauges()}
     assert gauges[("swarm_monitor_peers", (("model", "m"), ("state", "online")))] == 1
     assert gauges[("swarm_monitor_peers", (("model", "m"), ("state", "unreachable")))] == 1

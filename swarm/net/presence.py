@@ -1,0 +1,100 @@
+"""A node's presence off this machine, watched while it runs: the relays it is reachable through, a warning
+when it has none or announces only private addresses, and the file of peers it met (`known_peers`).
+
+`watch(node)` runs as one task of a `transport.Node` that is not on loopback; it only reads the daemon's
+addresses and asks connected peers where they can be dialled, so it never changes how the node works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+
+from swarm.net.identity import describe_peer
+from swarm.net.reach import (ASK_TIMEOUT_S, PRIVATE, PUBLIC, UNKNOWN, ask, check, ip_of, is_loopback_addr,
+                             is_private_addr, peer_of)
+
+logger = logging.getLogger("swarm.net.transport")
+
+WATCH_GRACE_S = 10.0  # a private node without a relay after this long is warned about
+KNOWN_PEERS_AT_S = (5.0, 20.0, 60.0)  # when a node first asks the peers it is connected to where they are
+KNOWN_PEERS_INTERVAL_S = 120.0  # and how often after that
+
+
+async def watch(node) -> None:
+    """Log the relays this node is reachable through as they change (a private node without any is warned
+    about), warn about a node announcing only private addresses, and keep the file of peers met."""
+    started, warned, last_known = time.monotonic(), False, -math.inf
+    first_asks = list(KNOWN_PEERS_AT_S)
+    last_direct: frozenset | None = None
+    while True:
+        now = time.monotonic()
+        with contextlib.suppress(Exception):  # a daemon gone away is reported by its own watcher
+            addrs = [str(a) for a in await node._p2p.get_visible_maddrs()]
+            relays = sorted({a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for a in addrs
+                             if "/p2p-circuit" in a})
+            if relays != node.relays:
+                if relays:
+                    logger.info("reachable through relay %s", ", ".join(describe_peer(r) for r in relays))
+                elif node.relays:
+                    logger.warning("no longer reachable through a relay (was %s); the daemon retries",
+                                   ", ".join(describe_peer(r) for r in node.relays))
+                node.relays = relays
+            if not warned and now - started > WATCH_GRACE_S:
+                direct = [a for a in addrs if ip_of(a) and not is_loopback_addr(a)]
+                if node.reach == PRIVATE and not relays and not node.client_mode:
+                    warned = True
+                    logger.warning("no relay has given this node a slot (asked: %s): peers that it did not dial "
+                                   "cannot reach it; the daemon keeps asking",
+                                   ", ".join(describe_peer(peer_of(a)) for a in node._joined_through) or "none")
+                elif direct and all(is_private_addr(a) for a in direct) and not relays \
+                        and not node.client_mode and node.reach != PUBLIC:
+                    warned = True
+                    logger.warning("this node announces only private addresses (%s): only its own network "
+                                   "reaches it", ", ".join(direct[:3]))
+            due = first_asks and now - started >= first_asks[0]
+            direct_now = frozenset(a for a in addrs if ip_of(a) and not is_loopback_addr(a))
+            moved = last_direct is not None and direct_now != last_direct
+            last_direct = direct_now
+            if not node.client_mode and (moved or (due and node.reach == UNKNOWN)):
+                await recheck(node, "its addresses changed" if moved else "it had nobody to ask at start")
+            if node.known is not None and (due or (not first_asks and now - last_known > KNOWN_PEERS_INTERVAL_S)):
+                while first_asks and now - started >= first_asks[0]:
+                    first_asks.pop(0)
+                last_known = now
+                await remember_peers(node)
+        await asyncio.sleep(2.0 if now - started < WATCH_GRACE_S * 3 else 15.0)
+
+
+async def recheck(node, why: str) -> None:
+    """Ask connected peers to dial this node back again. A node found public after all is announced so (its
+    daemon relays once its own AutoNAT agrees); any other change needs a restart, which the log says."""
+    helpers = [str(info.peer_id) for info in await node._p2p.list_peers()]
+    state, detail = await check(node._open_rw, helpers, node._port)
+    if state == node.reach or state == UNKNOWN:
+        return
+    if node.reach == UNKNOWN and state == PUBLIC:
+        logger.info("reachability: public (%s; checked again as %s)", detail, why)
+        node.reach, node.reach_why = state, detail
+    else:
+        logger.warning("reachability is now %s (%s), was %s: restart this node to be reached as it is now",
+                       state, detail, node.reach)
+
+
+async def remember_peers(node) -> None:
+    """Ask up to 8 connected peers where they can be dialled, and keep the answers in the known peers file."""
+    found: dict[str, list[str]] = {}
+    for info in (await node._p2p.list_peers())[:8]:
+        peer = str(info.peer_id)
+        try:
+            answer = await asyncio.wait_for(ask(node._open_rw, peer, {"addrs": True}), ASK_TIMEOUT_S)
+        except Exception:  # boundary: a client or an older peer does not answer; it is not remembered
+            continue
+        addrs = answer.get("addrs")
+        if isinstance(addrs, list):
+            found[peer] = [a for a in addrs if isinstance(a, str)][:8]
+    if found:
+        await asyncio.get_running_loop().run_in_executor(None, node.known.remember, found)

@@ -1,0 +1,67 @@
+"""The file of peers met: only dialable addresses, the most recent peers first and at most 16 of them, a
+broken file ignored and replaced, and the file's place next to an identity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from swarm.net import known_peers, reach
+from swarm.net.known_peers import KnownPeers
+
+
+def peer(n: int) -> str:
+    return f"12D3KooWpeer{n:04d}"
+
+
+def test_only_dialable_addresses_are_kept_most_recent_first(tmp_path):
+    known = KnownPeers(tmp_path / "k.json")
+    assert known.load() == {} and known.join_addrs() == []
+    known.remember({peer(1): ["/ip4/127.0.0.1/tcp/1", "/ip4/11.0.0.2/tcp/31337", "/ip4/11.0.0.2/tcp/31337"],
+                    peer(2): ["/ip4/127.0.0.1/tcp/2"],  # loopback only: not kept
+                    peer(3): ["/ip4/11.0.0.2/tcp/1/p2p/X/p2p-circuit"]}, now=10.0)  # relayed: not kept
+    known.remember({peer(4): ["/ip4/11.0.0.4/tcp/4/p2p/" + peer(4)]}, now=20.0)
+    assert set(known.load()) == {peer(1), peer(4)}
+    assert known.load()[peer(1)]["addrs"] == ["/ip4/11.0.0.2/tcp/31337"]
+    assert known.join_addrs() == [f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}", f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}"]
+    assert known.join_addrs(exclude={peer(4)}) == [f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}"]
+
+
+def test_at_most_sixteen_peers_the_oldest_dropped(tmp_path):
+    known = KnownPeers(tmp_path / "k.json")
+    for n in range(known_peers.MAX_PEERS + 5):
+        known.remember({peer(n): [f"/ip4/11.0.0.{n + 2}/tcp/31337"]}, now=float(n))
+    kept = known.load()
+    assert len(kept) == known_peers.MAX_PEERS and peer(0) not in kept and peer(known_peers.MAX_PEERS + 4) in kept
+
+
+def test_a_broken_file_is_ignored_and_replaced(tmp_path, caplog):
+    path = tmp_path / "k.json"
+    for text in ("not json", json.dumps({"peers": [1, 2]}), json.dumps([1])):
+        path.write_text(text)
+        assert KnownPeers(path).load() == {}
+    assert "ignoring the known peers file" in caplog.text
+    KnownPeers(path).remember({peer(1): ["/ip4/11.0.0.2/tcp/1"]})
+    assert set(json.loads(path.read_text())["peers"]) == {peer(1)}
+
+
+def test_the_file_sits_next_to_the_identity():
+    assert known_peers.path_for(Path("/k/peer.key"), Path("/home")) == Path("/k/peer.key.known-peers.json")
+    assert known_peers.path_for(None, Path("/home")) == Path("/home/known-peers.json")
+
+
+def test_addresses_are_told_apart():
+    assert reach.ip_of("/ip4/11.0.0.2/tcp/1") == "11.0.0.2" and reach.ip_of("/ip4/1.2.3.4/tcp/1/p2p/X/p2p-circuit") is None
+    assert reach.is_private_addr("/ip4/192.168.1.2/tcp/1") and not reach.is_private_addr("/ip4/11.0.0.2/tcp/1")
+    assert reach.is_loopback_addr("/ip4/127.0.0.1/tcp/1") and not reach.is_loopback_addr("/ip4/10.0.0.1/tcp/1")
+
+
+def test_relay_limits_become_daemon_flags():
+    kwargs, extra = reach.daemon_settings(reach.PUBLIC, relays=[], limits=reach.RelayLimits(circuits=3))
+    assert kwargs["force_reachability"] == "public"
+    assert extra["relayService"] == 1 and extra["relayMaxCircuits"] == 3 and extra["relayTimeLimit"] == "21600s"
+    kwargs, extra = reach.daemon_settings(reach.PRIVATE, relays=["/ip4/11.0.0.2/tcp/1/p2p/X"], limits=None)
+    assert kwargs["use_auto_relay"] and kwargs["trusted_relays"] and extra == {"relayService": 0,
+                                                                               "relayDiscovery": 0}
+    kwargs, extra = reach.daemon_settings("client", relays=[], limits=reach.RelayLimits())
+    assert extra == {"relayService": 0} and "force_reachability" not in kwargs
