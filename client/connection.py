@@ -62,7 +62,7 @@ async def joined_node(config: ClientConfig, *, settle: bool = True) -> AsyncIter
         async with LightNode(config.initial_peers) as node:
             yield node
         return
-    async with Node(Identity.generate(), initial_peers=config.initial_peers, client_mode=True,
+    async with Node(Identity.generate(), host=None, initial_peers=config.initial_peers, client_mode=True,
                     known_peers=known_peers.path_for(None, Path(cache_home()))) as node:
         yield node
 

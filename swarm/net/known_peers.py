@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm.net.reach import ip_of, is_loopback_addr
+from swarm.net.identity import b58decode
+from swarm.net.reach import dialable, is_global_addr
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,14 @@ def path_for(identity_path: Path | None, home: Path) -> Path:
     return Path(home) / FILE_NAME
 
 
-def dialable(addr: str) -> bool:
-    return ip_of(addr) is not None and not is_loopback_addr(addr)
+def _is_peer_id(text: object) -> bool:
+    """A base58 libp2p peer id (what a multiaddr's /p2p/ part must hold, or the daemon refuses to start)."""
+    if not isinstance(text, str) or not 40 <= len(text) <= 64:
+        return False
+    try:
+        return len(b58decode(text)) >= 34
+    except ValueError:
+        return False
 
 
 class KnownPeers:
@@ -47,7 +54,7 @@ class KnownPeers:
             peers = data["peers"]
             return {str(p): {"addrs": [a for a in v["addrs"] if isinstance(a, str) and dialable(a)][:MAX_ADDRS],
                              "seen": float(v["seen"])}
-                    for p, v in peers.items() if isinstance(v, dict)}
+                    for p, v in peers.items() if isinstance(v, dict) and _is_peer_id(p)}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -59,17 +66,20 @@ class KnownPeers:
         now = time.time() if now is None else now
         peers = self.load()
         for peer, addrs in addrs_by_peer.items():
-            good = [a.split("/p2p/")[0] for a in addrs if dialable(a)]
+            if not _is_peer_id(peer):
+                continue
+            good = [a.split("/p2p/")[0] for a in addrs if isinstance(a, str) and "p2p-circuit" not in a]
+            good = sorted(dict.fromkeys(a for a in good if dialable(a)), key=lambda a: not is_global_addr(a))
             if good:
-                peers[peer] = {"addrs": list(dict.fromkeys(good))[:MAX_ADDRS], "seen": now}
+                peers[peer] = {"addrs": good[:MAX_ADDRS], "seen": now}
         kept = dict(sorted(peers.items(), key=lambda kv: -kv[1]["seen"])[:MAX_PEERS])
         self._write({"peers": kept})
         return len(kept)
 
     def join_addrs(self, exclude: set[str] = frozenset()) -> list[str]:
-        """Full multiaddrs of the peers met, most recent first, one per peer, skipping `exclude` (peer ids)."""
-        return [f"{v['addrs'][0]}/p2p/{peer}" for peer, v in
-                sorted(self.load().items(), key=lambda kv: -kv[1]["seen"]) if v["addrs"] and peer not in exclude]
+        """Full multiaddrs of the peers met (every address of each), most recent first, skipping `exclude`."""
+        return [f"{addr}/p2p/{peer}" for peer, v in sorted(self.load().items(), key=lambda kv: -kv[1]["seen"])
+                if peer not in exclude for addr in v["addrs"]]
 
     def _write(self, data: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ addresses and asks connected peers where they can be dialled, so it never change
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -26,14 +25,17 @@ KNOWN_PEERS_INTERVAL_S = 120.0  # and how often after that
 
 async def watch(node) -> None:
     """Log the relays this node is reachable through as they change (a private node without any is warned
-    about), warn about a node announcing only private addresses, and keep the file of peers met."""
-    started, warned, last_known = time.monotonic(), False, -math.inf
+    about), warn about a node announcing only private addresses, check again how it is reached when its
+    addresses change (or when it had nobody to ask), and keep the file of peers met. Runs until cancelled."""
+    started, warned, last_known, last_direct = time.monotonic(), False, -math.inf, None
     first_asks = list(KNOWN_PEERS_AT_S)
-    last_direct: frozenset | None = None
     while True:
         now = time.monotonic()
-        with contextlib.suppress(Exception):  # a daemon gone away is reported by its own watcher
-            addrs = [str(a) for a in await node._p2p.get_visible_maddrs()]
+        due = bool(first_asks) and now - started >= first_asks[0]
+        while first_asks and now - started >= first_asks[0]:
+            first_asks.pop(0)
+        try:
+            addrs = [str(a) for a in await node._p2p.get_visible_maddrs(latest=True)]
             relays = sorted({a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for a in addrs
                              if "/p2p-circuit" in a})
             if relays != node.relays:
@@ -43,37 +45,40 @@ async def watch(node) -> None:
                     logger.warning("no longer reachable through a relay (was %s); the daemon retries",
                                    ", ".join(describe_peer(r) for r in node.relays))
                 node.relays = relays
-            if not warned and now - started > WATCH_GRACE_S:
-                direct = [a for a in addrs if ip_of(a) and not is_loopback_addr(a)]
-                if node.reach == PRIVATE and not relays and not node.client_mode:
-                    warned = True
-                    logger.warning("no relay has given this node a slot (asked: %s): peers that it did not dial "
-                                   "cannot reach it; the daemon keeps asking",
-                                   ", ".join(describe_peer(peer_of(a)) for a in node._joined_through) or "none")
-                elif direct and all(is_private_addr(a) for a in direct) and not relays \
-                        and not node.client_mode and node.reach != PUBLIC:
-                    warned = True
-                    logger.warning("this node announces only private addresses (%s): only its own network "
-                                   "reaches it", ", ".join(direct[:3]))
-            due = first_asks and now - started >= first_asks[0]
-            direct_now = frozenset(a for a in addrs if ip_of(a) and not is_loopback_addr(a))
-            moved = last_direct is not None and direct_now != last_direct
-            last_direct = direct_now
+            direct = [a for a in addrs if ip_of(a) and not is_loopback_addr(a)]
+            if not warned and now - started > WATCH_GRACE_S and not node.client_mode:
+                warned = _warn(node, relays, direct)
+            moved = last_direct is not None and frozenset(direct) != last_direct
+            last_direct = frozenset(direct)
             if not node.client_mode and (moved or (due and node.reach == UNKNOWN)):
                 await recheck(node, "its addresses changed" if moved else "it had nobody to ask at start")
-            if node.known is not None and (due or (not first_asks and now - last_known > KNOWN_PEERS_INTERVAL_S)):
-                while first_asks and now - started >= first_asks[0]:
-                    first_asks.pop(0)
+            if node.known is not None and (due or now - last_known > KNOWN_PEERS_INTERVAL_S):
                 last_known = now
                 await remember_peers(node)
+        except Exception as e:  # boundary: a daemon gone away is reported by its own watcher; the rest is logged
+            logger.debug("reachability watch: %r", e)
         await asyncio.sleep(2.0 if now - started < WATCH_GRACE_S * 3 else 15.0)
+
+
+def _warn(node, relays: list[str], direct: list[str]) -> bool:
+    """Warn once about a private node without a relay, or one announcing only private addresses."""
+    if node.reach == PRIVATE and not relays:
+        logger.warning("no relay has given this node a slot (asked: %s): peers that it did not dial cannot reach it; "
+                       "the daemon keeps asking",
+                       ", ".join(describe_peer(peer_of(a)) for a in node._joined_through) or "none")
+        return True
+    if direct and all(is_private_addr(a) for a in direct) and not relays and node.reach != PUBLIC:
+        logger.warning("this node announces only private addresses (%s): only its own network reaches it",
+                       ", ".join(direct[:3]))
+        return True
+    return False
 
 
 async def recheck(node, why: str) -> None:
     """Ask connected peers to dial this node back again. A node found public after all is announced so (its
     daemon relays once its own AutoNAT agrees); any other change needs a restart, which the log says."""
-    helpers = [str(info.peer_id) for info in await node._p2p.list_peers()]
-    state, detail = await check(node._open_rw, helpers, node._port)
+    helpers = list(dict.fromkeys(str(info.peer_id) for info in await node._p2p.list_peers()))
+    state, detail = await check(node._open_rw, helpers, node.announce_port or node._port)
     if state == node.reach or state == UNKNOWN:
         return
     if node.reach == UNKNOWN and state == PUBLIC:
@@ -87,8 +92,7 @@ async def recheck(node, why: str) -> None:
 async def remember_peers(node) -> None:
     """Ask up to 8 connected peers where they can be dialled, and keep the answers in the known peers file."""
     found: dict[str, list[str]] = {}
-    for info in (await node._p2p.list_peers())[:8]:
-        peer = str(info.peer_id)
+    for peer in list(dict.fromkeys(str(info.peer_id) for info in await node._p2p.list_peers()))[:8]:
         try:
             answer = await asyncio.wait_for(ask(node._open_rw, peer, {"addrs": True}), ASK_TIMEOUT_S)
         except Exception:  # boundary: a client or an older peer does not answer; it is not remembered

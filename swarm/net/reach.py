@@ -102,10 +102,19 @@ def peer_of(addr: str) -> str:
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the daemon listens on it for TCP and QUIC, across restarts)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free on `host` now for both TCP and UDP (the daemon listens on it for TCP and QUIC, across its
+    restarts while joining); a few tries, then any TCP port."""
+    for _ in range(16):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                try:
+                    udp.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    return port
 
 
 # ---- messages ----
@@ -127,11 +136,30 @@ async def receive(reader: asyncio.StreamReader) -> dict:
 
 
 def ip_of(maddr: str) -> str | None:
-    """The IP of a direct multiaddr (/ip4/A/tcp/P or /ip6/...); None for a relayed or other one."""
-    parts = maddr.split("/")
+    """The IP of a direct multiaddr (/ip4/A/tcp/P or /ip6/...); None for a relayed, malformed or other one."""
+    parts = maddr.split("/") if isinstance(maddr, str) else []
     if "p2p-circuit" in parts or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
         return None
+    try:
+        ipaddress.ip_address(parts[2])
+    except ValueError:
+        return None
     return parts[2]
+
+
+def dialable(maddr: str) -> bool:
+    """A direct TCP or QUIC address with a valid IP (not loopback) and port: one worth dialling again."""
+    parts = maddr.split("/") if isinstance(maddr, str) else []
+    if ip_of(maddr) is None or is_loopback_addr(maddr) or len(parts) < 5 or parts[3] not in ("tcp", "udp"):
+        return False
+    if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536 or len(maddr) > 200:
+        return False
+    return len(parts) == 5 or parts[5:] in (["quic-v1"], ["quic"])
+
+
+def is_global_addr(maddr: str) -> bool:
+    ip = ip_of(maddr)
+    return ip is not None and ipaddress.ip_address(ip).is_global
 
 
 def is_loopback_addr(maddr: str) -> bool:
@@ -140,12 +168,9 @@ def is_loopback_addr(maddr: str) -> bool:
 
 
 def is_private_addr(maddr: str) -> bool:
-    """A LAN, link-local or loopback address: reachable only within its own network."""
+    """A LAN, carrier-grade NAT, link-local or loopback address: reachable only within its own network."""
     ip = ip_of(maddr)
-    if ip is None:
-        return False
-    addr = ipaddress.ip_address(ip)
-    return addr.is_private or addr.is_loopback or addr.is_link_local
+    return ip is not None and not ipaddress.ip_address(ip).is_global
 
 
 class Helper:
@@ -154,11 +179,16 @@ class Helper:
     def __init__(self, observed_ip, own_addrs):
         self._observed_ip = observed_ip  # async (peer id) -> the IP its connection comes from, or None
         self._own_addrs = own_addrs  # async () -> this node's dialable multiaddrs
-        self._last: dict[str, float] = {}
-        self._dials = asyncio.Semaphore(MAX_DIALS)
+        self._last: dict[str, float] = {}  # per IP asked for: peer ids cost nothing, addresses do
+        self._dialing = 0
 
     async def handle(self, reader, writer, remote: str) -> None:
-        request = await asyncio.wait_for(receive(reader), ASK_TIMEOUT_S)
+        try:
+            request = await asyncio.wait_for(receive(reader), ASK_TIMEOUT_S)
+        except (ValueError, RecursionError, struct.error) as e:  # a malformed request: say so, no traceback
+            logger.debug("bad reach request from …%s: %s", remote[-8:], e)
+            await send(writer, {"error": f"bad request: {e}"[:200]})
+            return
         if "dial" in request:
             await send(writer, await self._dial(remote, request["dial"]))
         elif request.get("addrs"):
@@ -169,34 +199,41 @@ class Helper:
     async def _dial(self, remote: str, port) -> dict:
         if type(port) is not int or not 0 < port < 65536:
             return {"error": "port must be an integer from 1 to 65535"}
-        now = time.monotonic()
-        if now - self._last.get(remote, -1e9) < HELPER_INTERVAL_S:
-            return {"error": "asked too often"}
-        self._last[remote] = now
-        if len(self._last) > 1024:
-            self._last = {k: v for k, v in self._last.items() if now - v < HELPER_INTERVAL_S}
         ip = await self._observed_ip(remote)
         if ip is None:
             return {"error": "no direct connection to dial back along"}
-        async with self._dials:
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError) as e:
-                return {"reached": False, "seen": ip, "why": type(e).__name__}
-            writer.close()
-            with contextlib.suppress(Exception):  # closing a probe connection is best effort
-                await writer.wait_closed()
+        now = time.monotonic()
+        if now - self._last.get(ip, -1e9) < HELPER_INTERVAL_S:
+            return {"error": "asked too often"}
+        if self._dialing >= MAX_DIALS:
+            return {"error": "busy"}
+        self._last[ip] = now
+        if len(self._last) > 1024:
+            self._last = {k: v for k, v in self._last.items() if now - v < HELPER_INTERVAL_S}
+        self._dialing += 1
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            return {"reached": False, "seen": ip, "why": type(e).__name__}
+        finally:
+            self._dialing -= 1
+        writer.close()
+        with contextlib.suppress(Exception):  # closing a probe connection is best effort
+            await writer.wait_closed()
         return {"reached": True, "seen": ip}
 
 
 async def ask(open_stream, helper: str, request: dict) -> dict:
     """One request to `helper` over `open_stream(peer, protocol)` -> (reader, writer); its answer."""
-    reader, writer = await open_stream(helper, REACH_PROTOCOL)
-    try:
-        await send(writer, request)
-        return await asyncio.wait_for(receive(reader), ASK_TIMEOUT_S)
-    finally:
-        writer.close()
+    async def exchange() -> dict:
+        reader, writer = await open_stream(helper, REACH_PROTOCOL)
+        try:
+            await send(writer, request)
+            return await receive(reader)
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(exchange(), ASK_TIMEOUT_S)
 
 
 async def check(open_stream, helpers: list[str], port: int) -> tuple[str, str]:
@@ -212,11 +249,19 @@ async def check(open_stream, helpers: list[str], port: int) -> tuple[str, str]:
     answers = await asyncio.gather(*(one(h) for h in asked))
     reached = [(h, a) for h, a in answers if a.get("reached") is True]
     refused = [(h, a) for h, a in answers if a.get("reached") is False]
-    if reached:
-        h, a = reached[0]
+
+    def seen_global(answer: dict) -> bool:
+        return is_global_addr(f"/ip4/{answer.get('seen')}") or is_global_addr(f"/ip6/{answer.get('seen')}")
+
+    # A dial-back from the internet (the helper saw a global address) decides; one from this node's own network
+    # (a helper on the same LAN) makes it public only if no helper on the internet failed to reach it.
+    far_reached = [x for x in reached if seen_global(x[1])]
+    far_refused = [x for x in refused if seen_global(x[1])]
+    if far_reached or (reached and not far_refused):
+        h, a = (far_reached or reached)[0]
         return PUBLIC, f"…{h[-8:]} dialled port {port} at {a.get('seen')}"
     if refused:
-        h, a = refused[0]
+        h, a = (far_refused or refused)[0]
         return PRIVATE, (f"{len(refused)} of {len(asked)} peers could not dial port {port} at {a.get('seen')} "
                          f"({a.get('why')})")
     errors = "; ".join(f"…{h[-8:]}: {a.get('error')}" for h, a in answers) or "no peer to ask"
@@ -224,4 +269,4 @@ async def check(open_stream, helpers: list[str], port: int) -> tuple[str, str]:
 
 
 __all__ = ["REACH_PROTOCOL", "RelayLimits", "Helper", "ask", "check", "daemon_settings", "ip_of",
-           "is_private_addr", "is_loopback_addr", "check_initial_peer", "peer_of", "free_port", "PUBLIC", "PRIVATE", "UNKNOWN", "LOCAL"]
+           "is_private_addr", "is_loopback_addr", "is_global_addr", "dialable", "check_initial_peer", "peer_of", "free_port", "PUBLIC", "PRIVATE", "UNKNOWN", "LOCAL"]

@@ -124,12 +124,13 @@ def _with_flags(extra: dict):
 class Node:
     """A DHT node with a libp2p daemon. `async with Node(...) as node:`; see the module docstring."""
 
-    def __init__(self, identity: Identity, *, identity_path: str | Path | None = None, host: str = "127.0.0.1",
+    def __init__(self, identity: Identity, *, identity_path: str | Path | None = None, host: str | None = "127.0.0.1",
                  port: int = 0, announce_host: str | None = None, announce_port: int | None = None,
                  initial_peers: Sequence[str] = (), client_mode: bool = False, dht_wait_timeout: float = 3.0,
                  reachability: str = "auto", relay: reach.RelayLimits | None = None,
                  known_peers: str | Path | None = None, join_alone: bool = False):
-        """`reachability`: auto (ask peers to dial back), public or private. `relay`: what this node gives others
+        """`host`: where to listen; None: 127.0.0.1 in a swarm on this machine, else all interfaces (clients).
+        `reachability`: auto (ask peers to dial back), public or private. `relay`: what this node gives others
         as a relay when public (None: it relays for nobody). `known_peers`: the file of peers met
         (`swarm.net.known_peers`), joined through when no initial peer answers. `join_alone`: with no initial
         peer given and none of the peers met answering, start as the swarm's first node (a bootstrap)."""
@@ -138,8 +139,9 @@ class Node:
         self.identity = identity
         self.peer_id = identity.peer_id
         self._identity_path = Path(identity_path) if identity_path else None
-        self.host, self.port, self.announce_host, self.announce_port = host, port, announce_host, announce_port
         self.initial_peers = list(initial_peers)
+        self.port, self.announce_host, self.announce_port = port, announce_host, announce_port
+        self.host = host if host is not None else "127.0.0.1" if self._all_loopback() else "0.0.0.0"
         self.client_mode = client_mode
         self.dht_wait_timeout = dht_wait_timeout
         self.reachability, self.relay, self.join_alone = reachability, relay, join_alone
@@ -152,12 +154,15 @@ class Node:
         self._joined_through: list[str] = list(initial_peers)
         self._daemon_exit: asyncio.Task | None = None  # done once the daemon process has exited
         self._stopping = False
+        self._restarting = False  # the daemon is stopped to start again (while joining): its exit is expected
+
+    def _all_loopback(self) -> bool:
+        return bool(self.initial_peers) and all(reach.is_loopback_addr(a) for a in self.initial_peers)
 
     @property
     def local(self) -> bool:
         """A swarm on this machine only: loopback host, or every initial peer on loopback (no probe, no relay)."""
-        return _is_loopback(self.host) or (bool(self.initial_peers) and all(
-            reach.is_loopback_addr(a) for a in self.initial_peers))
+        return _is_loopback(self.host) or self._all_loopback()
 
     async def __aenter__(self) -> Node:
         hm = _hm()
@@ -219,7 +224,7 @@ class Node:
                 if "bootstrap" in str(e):
                     raise SwarmUnreachable(f"cannot reach any initial peer ({', '.join(initial)}); is the "
                                            "bootstrap node running and reachable?") from None
-                raise SwarmError(f"the transport daemon failed to start on {self.host}:{self.port}: {e}") from None
+                raise SwarmError(f"the transport daemon failed to start on {self.host}:{self._port}: {e}") from None
         self._daemon_exit = asyncio.create_task(self._p2p._child.wait(), name="transport daemon exit")
         self._daemon_exit.add_done_callback(self._on_daemon_exit)
         self._reaper = subprocess.Popen([sys.executable, "-S", reaper.__file__, str(self._p2p._child.pid)],
@@ -232,7 +237,9 @@ class Node:
         node is reached and restart the daemon set for it (a relayed node reserves slots on relays)."""
         self._port = self.port or reach.free_port(self.host)
         given = list(self.initial_peers)
-        met = self.known.join_addrs(exclude={reach.peer_of(a) for a in given}) if self.known else []
+        met = []
+        if self.known is not None and (given or self.join_alone):  # a node given no peer starts a swarm of its own
+            met = self.known.join_addrs(exclude={reach.peer_of(a) for a in given})
         wanted = self.reachability if self.reachability != "auto" else reach.UNKNOWN
         role = "client" if self.client_mode else wanted
         kwargs, extra = reach.daemon_settings(role, relays=given + met, limits=self.relay)
@@ -242,37 +249,51 @@ class Node:
                 await self._start_daemon(kwargs, extra, initial)
                 self._joined_through = list(initial)
                 break
-            except SwarmUnreachable:
-                await self._stop_transport()
+            except SwarmError as e:  # unreachable; or, for peers met before, an address the daemon refuses
+                await self._restart_cleanup()
+                if not isinstance(e, SwarmUnreachable) and initial is given:
+                    raise
                 if i + 1 < len(attempts):
                     logger.warning("no initial peer answered (%s); joining through %d peers met before",
-                                   ", ".join(given), len(met))
+                                   ", ".join(describe_peer(reach.peer_of(a)) for a in given),
+                                   len({reach.peer_of(a) for a in met}))
                 elif self.join_alone and not given:
-                    logger.warning("none of the %d peers met before answered: starting alone", len(initial))
+                    logger.warning("none of the peers met before answered: starting alone")
                     await self._start_daemon(kwargs, extra, [])
                     self._joined_through = []
-                else:
+                elif isinstance(e, SwarmUnreachable):
                     raise
+                else:
+                    raise SwarmUnreachable(f"no initial peer answered, nor any peer met before ({e})") from None
         if self.client_mode:
             self.reach = "client"
             return
         if self.reachability != "auto":
             self.reach, self.reach_why = self.reachability, "as configured"
         else:
-            helpers = [str(info.peer_id) for info in await self._p2p.list_peers()]
-            self.reach, self.reach_why = await reach.check(self._open_rw, helpers, self._port)
+            joined = [reach.peer_of(a) for a in self._joined_through]
+            connected = [str(info.peer_id) for info in await self._p2p.list_peers()]
+            helpers = list(dict.fromkeys([p for p in joined if p in connected] + connected))
+            self.reach, self.reach_why = await reach.check(self._open_rw, helpers, self.announce_port or self._port)
         logger.info("reachability: %s (%s)", self.reach, self.reach_why)
         if self.reach in (reach.PUBLIC, reach.PRIVATE) and self.reachability == "auto":
             kwargs, extra = reach.daemon_settings(self.reach, relays=given + met, limits=self.relay)
+            await self._restart(kwargs, extra, self._joined_through)
+
+    async def _restart_cleanup(self) -> None:
+        self._restarting = True
+        try:
             await self._stop_transport()
-            await self._start_daemon(kwargs, extra, self._joined_through)
+        finally:
+            self._restarting = False
 
     async def dialable_maddrs(self) -> list[str]:
         """The addresses other machines can dial this node at directly: none behind a NAT (it is reached through
         its relays) or on one machine; otherwise its visible addresses but loopback ones."""
         if self.reach in (reach.PRIVATE, reach.LOCAL):
             return []
-        return [a for a in await self.maddrs() if reach.ip_of(a) and not reach.is_loopback_addr(a)]
+        addrs = [a for a in await self.maddrs() if reach.dialable(a.split("/p2p/")[0])]
+        return [a for a in addrs if reach.is_global_addr(a)] or addrs  # a LAN swarm's addresses when no other
 
     async def _open_rw(self, peer: str, protocol: str):
         stream = await self.open(PeerId(peer), protocol)
@@ -290,10 +311,8 @@ class Node:
 
     @property
     def reached_by(self) -> str | None:
-        """What records say of how this node is reached: "relay", "direct", or None on one machine."""
-        if self.reach == reach.LOCAL or self.client_mode:
-            return None
-        return "relay" if self.reach == reach.PRIVATE else "direct"
+        """What records say of how this node is reached: "relay", "direct", or None (on one machine, unknown)."""
+        return {reach.PRIVATE: "relay", reach.PUBLIC: "direct"}.get(self.reach)
 
     async def __aexit__(self, *exc) -> None:
         await self._stop()
@@ -316,20 +335,24 @@ class Node:
 
     async def _stop_transport(self) -> None:
         """The daemon, its client's tasks, the reaper (also between two starts of the daemon while joining)."""
-        if self._daemon_exit is not None:
-            self._daemon_exit.cancel()  # first: a daemon stopped on purpose is not reported as lost
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only the exit code
-                await self._daemon_exit
-            self._daemon_exit = None
         if self._p2p is not None:
             await self._stop_daemon()
             await self._collect_client_tasks()
+        if self._daemon_exit is not None:
+            self._daemon_exit.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only the exit code
+                await self._daemon_exit
+            self._daemon_exit = None
         self._p2p = None
         if self._reaper is not None:
             self._reaper.stdin.close()  # end of file: the reaper finds the daemon gone and exits
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.get_running_loop().run_in_executor(None, self._reaper.wait, STOP_DAEMON_S + 1)
             self._reaper = None
+
+    async def _restart(self, kwargs: dict, extra: dict, initial: Sequence[str]) -> None:
+        await self._restart_cleanup()
+        await self._start_daemon(kwargs, extra, initial)
 
     async def _stop_daemon(self) -> None:
         """SIGTERM the daemon (hivemind's shutdown also closes its client) and wait for it; kill it if it lingers."""
@@ -366,7 +389,7 @@ class Node:
         if exit_task.cancelled():
             return
         code = exit_task.result()
-        if self._stopping:
+        if self._stopping or self._restarting:
             logger.debug("the transport daemon exited (code %s)", code)
         else:
             logger.warning("the transport daemon exited (code %s): this node is offline", code)
@@ -385,7 +408,7 @@ class Node:
     async def maddrs(self) -> list[str]:
         """Full multiaddrs others can use as initial peers: /ip4/.../tcp/.../p2p/<peer id>."""
         out = []
-        for addr in map(str, await self._p2p.get_visible_maddrs()):
+        for addr in map(str, await self._p2p.get_visible_maddrs(latest=True)):
             out.append(addr if "/p2p/" in addr else f"{addr}/p2p/{self.peer_id}")
         return out
 
@@ -399,7 +422,7 @@ class Node:
         """Addresses of the peers this node is connected to, and its own: {peer id: [multiaddr, ...]} (without
         the /p2p part). What a records reply tells a reader that has no DHT to find them with."""
         out = {str(info.peer_id): [str(a) for a in info.addrs] for info in await self._p2p.list_peers()}
-        out[self.peer_id] = [str(a) for a in await self._p2p.get_visible_maddrs()]
+        out[self.peer_id] = [str(a) for a in await self._p2p.get_visible_maddrs(latest=True)]
         return out
 
     # ---- records ----

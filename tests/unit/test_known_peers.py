@@ -7,24 +7,43 @@ import json
 from pathlib import Path
 
 from swarm.net import known_peers, reach
+from swarm.net.identity import Identity
 from swarm.net.known_peers import KnownPeers
 
 
+IDS = [Identity.generate().peer_id for _ in range(known_peers.MAX_PEERS + 5)]
+
+
 def peer(n: int) -> str:
-    return f"12D3KooWpeer{n:04d}"
+    return IDS[n]
 
 
 def test_only_dialable_addresses_are_kept_most_recent_first(tmp_path):
     known = KnownPeers(tmp_path / "k.json")
     assert known.load() == {} and known.join_addrs() == []
-    known.remember({peer(1): ["/ip4/127.0.0.1/tcp/1", "/ip4/11.0.0.2/tcp/31337", "/ip4/11.0.0.2/tcp/31337"],
+    known.remember({peer(1): ["/ip4/127.0.0.1/tcp/1", "/ip4/192.168.1.2/tcp/7", "/ip4/11.0.0.2/tcp/31337",
+                              "/ip4/11.0.0.2/tcp/31337"],
                     peer(2): ["/ip4/127.0.0.1/tcp/2"],  # loopback only: not kept
-                    peer(3): ["/ip4/11.0.0.2/tcp/1/p2p/X/p2p-circuit"]}, now=10.0)  # relayed: not kept
+                    peer(3): ["/ip4/11.0.0.2/tcp/1/p2p/X/p2p-circuit"],  # relayed: not kept
+                    "not-a-peer-id": ["/ip4/11.0.0.9/tcp/9"]}, now=10.0)  # the daemon would refuse it
     known.remember({peer(4): ["/ip4/11.0.0.4/tcp/4/p2p/" + peer(4)]}, now=20.0)
     assert set(known.load()) == {peer(1), peer(4)}
-    assert known.load()[peer(1)]["addrs"] == ["/ip4/11.0.0.2/tcp/31337"]
-    assert known.join_addrs() == [f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}", f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}"]
-    assert known.join_addrs(exclude={peer(4)}) == [f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}"]
+    assert known.load()[peer(1)]["addrs"] == ["/ip4/11.0.0.2/tcp/31337", "/ip4/192.168.1.2/tcp/7"]  # global first
+    assert known.join_addrs() == [f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}", f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}",
+                                  f"/ip4/192.168.1.2/tcp/7/p2p/{peer(1)}"]
+    assert known.join_addrs(exclude={peer(1)}) == [f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}"]
+
+
+def test_addresses_the_daemon_would_refuse_are_never_kept(tmp_path):
+    """An address that fails to parse would stop the daemon at every start: a peer's answer cannot plant one."""
+    known = KnownPeers(tmp_path / "k.json")
+    bad = ["/ip4/1.2.3.4/tcp/99999999", "/ip4/evil/tcp/1", "/ip4/1.2.3.4/tcp/0", "/ip4/1.2.3.4/udp/1/webrtc",
+           "/ip4/1.2.3.4/tcp/1/x" * 40, "/dns/example.org/tcp/1", 7]
+    known.remember({peer(1): bad}, now=1.0)
+    assert known.load() == {}
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"peers": {peer(2): {"addrs": bad + ["/ip4/1.2.3.4/udp/5/quic-v1"], "seen": 1}}}))
+    assert known.join_addrs() == [f"/ip4/1.2.3.4/udp/5/quic-v1/p2p/{peer(2)}"]
 
 
 def test_at_most_sixteen_peers_the_oldest_dropped(tmp_path):
@@ -53,6 +72,7 @@ def test_the_file_sits_next_to_the_identity():
 def test_addresses_are_told_apart():
     assert reach.ip_of("/ip4/11.0.0.2/tcp/1") == "11.0.0.2" and reach.ip_of("/ip4/1.2.3.4/tcp/1/p2p/X/p2p-circuit") is None
     assert reach.is_private_addr("/ip4/192.168.1.2/tcp/1") and not reach.is_private_addr("/ip4/11.0.0.2/tcp/1")
+    assert reach.is_private_addr("/ip4/100.64.0.1/tcp/1")  # carrier-grade NAT: not reachable from outside
     assert reach.is_loopback_addr("/ip4/127.0.0.1/tcp/1") and not reach.is_loopback_addr("/ip4/10.0.0.1/tcp/1")
 
 
