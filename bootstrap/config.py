@@ -21,8 +21,6 @@ class BootstrapConfig:
                                             "peers it met before, kept next to its key, else none: a new swarm)")
     reachability: str = option("public", help="how other machines reach it: public (a bootstrap is the swarm's "
                                "door), private (behind a NAT, through relays) or auto (ask peers to dial it back)")
-    relay_circuits: int = option(16, help="relayed connections at once to each peer behind a NAT it relays for")
-    relay_reservations: int = option(128, help="peers behind NATs it relays for at most (0: relay for none)")
     log_interval: float = option(60.0, help="seconds between swarm size reports")
     monitor_port: int | None = option(None, help="serve the swarm health page on this TCP port (0: any free port; "
                                       "default: no page)")
@@ -30,11 +28,9 @@ class BootstrapConfig:
     monitor_interval: float = option(5.0, help="seconds between the health monitor's reads of the swarm")
 
     def __post_init__(self) -> None:
-        check_positive(self, ("log_interval", "monitor_interval", "relay_circuits"))
+        check_positive(self, ("log_interval", "monitor_interval"))
         if self.reachability not in ("auto", "public", "private"):
             raise ConfigError(f"--reachability must be auto, public or private, not {self.reachability!r}")
-        if self.relay_reservations < 0:
-            raise ConfigError("--relay-reservations must be 0 or more")
         check_port(self.monitor_port, "--monitor-port")
 
 

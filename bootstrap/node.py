@@ -17,7 +17,7 @@ from bootstrap.monitor import Monitor, announce
 from swarm.net import wire
 from swarm.net.identity import load_or_create
 from swarm.net.record_service import records_handler
-from swarm.net import known_peers, reach
+from swarm.net import known_peers
 from swarm.net.reach import RelayLimits
 from swarm.net.transport import Node
 
@@ -26,16 +26,13 @@ logger = logging.getLogger(__name__)
 
 async def run(config: BootstrapConfig, stop: asyncio.Event, on_ready: Callable[[list[str]], None] | None = None) -> None:
     identity = load_or_create(config.identity)
-    relay = RelayLimits(circuits=config.relay_circuits, reservations=config.relay_reservations) \
-        if config.relay_reservations else None
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, initial_peers=config.initial_peers,
-                    reachability=config.reachability, relay=relay, join_alone=True,
+                    reachability=config.reachability, relay=RelayLimits(), join_alone=True,
                     known_peers=known_peers.path_for(config.identity, config.identity.parent)
                     if config.identity else None) as node, contextlib.AsyncExitStack() as stack:
         await node.serve(wire.RECORDS_PROTOCOL, records_handler(node))
-        maddrs = sorted(await node.maddrs(), key=lambda a: (reach.is_loopback_addr(a), reach.is_private_addr(a),
-                                                            "/quic" in a))
+        maddrs = await node.maddrs()  # public ones first
         for addr in maddrs:
             print(addr, flush=True)
         logger.info("bootstrap %s ready; give peers --initial-peers %s", node.peer_id, maddrs[0] if maddrs else "?")

@@ -44,9 +44,6 @@ class PeerConfig:
                                        "forwarded port or a proxy in front of this peer)")
     reachability: str = option("auto", help="how other machines reach this peer: auto (ask the peers it joins "
                                "through to dial it back; behind a NAT, through relays), public or private")
-    relay: bool = option(True, help="when reachable directly, relay for peers behind NATs, within --relay-circuits "
-                         "(--no-relay: never)")
-    relay_circuits: int = option(4, help="relayed connections at once to each peer this peer relays for")
     identity: Path | None = option(None, help="Ed25519 key file, created on first start (default: a new identity "
                                    "each start)")
     device: str = option("auto", help="where the blocks compute: auto (a CUDA GPU if present, else Apple's MPS, "
@@ -105,7 +102,7 @@ class PeerConfig:
     def __post_init__(self) -> None:
         positive = ("max_sessions", "cache_tokens", "max_length", "max_batch", "max_request_bytes", "step_timeout",
                     "idle_timeout", "max_queue", "reclaim_idle", "client_forwards", "announce_interval", "record_ttl",
-                    "rebalance_interval", "check_interval", "drain_timeout", "relay_circuits")
+                    "rebalance_interval", "check_interval", "drain_timeout")
         optional = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "memory_budget", "threads")
                     if getattr(self, n) is not None and getattr(self, n) < 1]
         check_positive(self, positive, tuple(optional))

@@ -157,7 +157,7 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
                     initial_peers=config.initial_peers, reachability=config.reachability,
-                    relay=RelayLimits(circuits=config.relay_circuits) if config.relay else None,
+                    relay=RelayLimits(),
                     known_peers=known_peers.path_for(config.identity, Path(cache_home()))) as node, \
             metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
         peer = Peer(config, node, identity, ckpt, model_id, metrics, precision, digest=weights.digest)

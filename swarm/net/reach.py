@@ -50,10 +50,15 @@ class RelayLimits:
 
     `circuits`: relayed connections open at once to one reserved peer; `reservations`: peers holding a slot;
     `hours` and `gib`: the life and the bytes (each way) of one relayed connection before the relay ends it
-    (a session it carried then fails over, like any lost peer); `buffer_kib`: per relayed connection."""
+    (a session it carried then fails over, like any lost peer); `buffer_kib`: per relayed connection.
 
-    circuits: int = 8
-    reservations: int = 32
+    Measured with hivemind 1.1.12's daemon: it also starts a relay service of its own, with its built-in
+    limits, on the same protocol, and whichever registers last serves. The counts here are the built-in
+    ones, so either way they hold; the life and bytes are ours only when ours registers last (a relayed
+    connection carried 4 MB and lived 150 s in the box either way)."""
+
+    circuits: int = 16
+    reservations: int = 128
     hours: float = 6.0
     gib: float = 4.0
     buffer_kib: int = 1024
