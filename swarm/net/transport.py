@@ -250,6 +250,9 @@ class Node:
             try:
                 await self._start_daemon(kwargs, extra, initial)
                 self._joined_through = list(initial)
+                if initial is met:
+                    logger.info("joined through the peers met before (%s)",
+                                ", ".join(dict.fromkeys(describe_peer(reach.peer_of(a)) for a in met)))
                 break
             except SwarmError as e:  # unreachable; or, for peers met before, an address the daemon refuses
                 await self._restart_cleanup()

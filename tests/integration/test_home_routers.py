@@ -172,7 +172,7 @@ def test_a_nat_peer_killed_mid_generation_fails_over_to_a_nat_spare(homes, expec
 def test_the_bootstrap_killed_mid_generation(tmp_path, tiny_llama, expected):
     """A public peer `pub` [0:3) and a NAT'd peer alice [3:6) (initial peers: the bootstrap and `pub`): the
     bootstrap dies while a NAT'd client generates; then a fresh client given the dead bootstrap and `pub`
-    (which it never met) joins."""
+    (which it never met) joins; then the bootstrap comes back and rejoins through the peers it met."""
     with Box() as box:
         sw = BoxSwarm(box, tmp_path, tiny_llama, MODEL_ID, PEER_OPTIONS)
         with explained(sw):
@@ -187,6 +187,10 @@ def test_the_bootstrap_killed_mid_generation(tmp_path, tiny_llama, expected):
 
             run = sw.client("client", box.home("dana"), [boot.addr], PROMPT, NEW_TOKENS, pause_after=PAUSE_AFTER)
             paused(run)
+            met = sw.root / "bootstrap" / "identity.key.known-peers.json"  # next to its key
+            wait_until(lambda: met.exists() and pub.peer_id in met.read_text(), REACH_S * 3,
+                       "the bootstrap to remember pub", diagnostics=lambda: met.read_text() if met.exists() else "")
+            assert alice.peer_id not in met.read_text()  # NAT'd: nothing to dial it at directly
             sw.kill(boot)
             run.go()
             assert finished(run)["tokens"] == expected
@@ -195,3 +199,9 @@ def test_the_bootstrap_killed_mid_generation(tmp_path, tiny_llama, expected):
             done = finished(late)
             assert done["tokens"] == expected
             assert sorted(span for _, span in done["route"]) == ["[0:3)", "[3:6)"]
+
+            back = sw.bootstrap(boot.host)  # same key, same address, no --initial-peers
+            sw.wait_log(back, "joined through the peers met before", REACH_S)
+            seen = sw.status(box.home("frank"), [back.addr])
+            assert {p["peer"]: p["reach"] for p in seen["peers"] if p["state"] == "online"} == \
+                {pub.peer_id: "direct", alice.peer_id: "relay"}
