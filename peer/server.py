@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from pathlib import Path
 import logging
 import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,7 +47,7 @@ from swarm.net import view, wire
 from peer import placement, selection
 from swarm.model.blocks import SpanBlocks
 from swarm.model.checkpoint import Checkpoint, parse_dtype
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, SwarmUnreachable
 from swarm.net.identity import Identity, load_or_create
 from swarm.model.precision import Precision
 from swarm.net.record_service import records_handler
@@ -58,6 +58,7 @@ from swarm.weights.models import open_weights
 
 logger = logging.getLogger(__name__)
 
+JOIN_TRYING_S = 1800.0  # how long a peer keeps trying to join a swarm none of whose peers answers
 CLAIM_SETTLE_S = 1.0  # after claiming a span: time for other claims to show before deciding to go on
 EARLY_ANNOUNCE_S = 1.0  # announcements brought forward by released cache are at least this far apart
 OFFLINE_ANNOUNCE_S = 2.0  # a stopping peer waits this long at most for its offline records to be stored
@@ -139,6 +140,31 @@ async def metrics_endpoint(metrics: PeerMetrics, config: PeerConfig, name: str):
         await server.close()
 
 
+@contextlib.asynccontextmanager
+async def joined(make_node: Callable[[], Node], stop: asyncio.Event) -> AsyncIterator[Node | None]:
+    """The peer's node, joined. While none of its initial peers (nor any peer it met before) answers, it keeps
+    trying: waits doubling from 5 s to 60 s, for `JOIN_TRYING_S` at most; None if asked to stop meanwhile."""
+    wait, deadline = 5.0, time.monotonic() + JOIN_TRYING_S
+    while True:
+        try:
+            node = await make_node().__aenter__()
+            break
+        except SwarmUnreachable as e:
+            if time.monotonic() + wait > deadline:
+                raise
+            logger.warning("%s; trying again in %.0f s", e, wait)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            if stop.is_set():
+                yield None
+                return
+            wait = min(2 * wait, 60.0)
+    try:
+        yield node
+    finally:
+        await node.__aexit__(None, None, None)
+
+
 async def serve(config: PeerConfig, stop: asyncio.Event,
                 on_ready: Callable[[PeerReady], None] | None = None) -> None:
     """Run a peer until `stop` is set."""
@@ -154,12 +180,16 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     if weights.hub is not None:  # the shards' shapes (which size the memory budget), read off the loop
         await loop.run_in_executor(None, weights.hub.load_shapes)
     metrics = PeerMetrics()
-    async with Node(identity, identity_path=config.identity, host=config.host, port=config.port,
+
+    def node() -> Node:
+        return Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
-                    initial_peers=config.initial_peers, reachability=config.reachability,
-                    relay=RelayLimits(),
-                    known_peers=known_peers.path_for(config.identity, Path(cache_home()))) as node, \
-            metrics_endpoint(metrics, config, describe_peer(node.peer_id)):
+                    initial_peers=config.initial_peers, reachability=config.reachability, relay=RelayLimits(),
+                    known_peers=known_peers.path_for(config.identity, Path(cache_home())))
+
+    async with joined(node, stop) as node, metrics_endpoint(metrics, config, describe_peer(identity.peer_id)):
+        if node is None:  # asked to stop while it could not join
+            return
         peer = Peer(config, node, identity, ckpt, model_id, metrics, precision, digest=weights.digest)
         peer.sharing = Sharing(node, weights, ckpt.num_blocks, config, cache_home())
         if weights.hub is not None:

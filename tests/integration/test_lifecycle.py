@@ -84,3 +84,21 @@ def test_joining_an_unreachable_swarm_is_a_clear_error(loop):
         loop.run(Node(Identity.generate(), initial_peers=[nobody]).__aenter__())
     with pytest.raises(ConfigError, match="full multiaddr"):
         loop.run(Node(Identity.generate(), initial_peers=["/ip4/127.0.0.1/tcp/1"]).__aenter__())
+
+
+def test_a_peer_keeps_trying_to_join_and_serves_once_the_bootstrap_is_up(tmp_path, tiny_llama):
+    """A peer started before its bootstrap (or while it is down) says so and tries again, with growing waits,
+    instead of exiting; once the bootstrap answers at its address, the peer joins and serves."""
+    from swarm.net.identity import load_or_create
+
+    port = free_port()
+    boot_id = load_or_create(tmp_path / "bootstrap.key").peer_id  # the address is known before it runs
+    with LocalSwarm(tmp_path) as net:
+        net.bootstrap_addrs = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"]
+        peer = net.start_peer("early", tiny_llama, "--blocks", "0:6", wait=False)
+        wait_until(lambda: "trying again in 5 s" in peer.text(), 60, "the peer to say it tries again",
+                   diagnostics=peer.text)
+        assert peer.alive() and "serving blocks" not in peer.text()
+        net.start_bootstrap("bootstrap", "--port", str(port))
+        net.wait_serving(peer, 90)
+        assert "cannot reach any initial peer" in peer.text()
