@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm.net.identity import b58decode
+from swarm.net.identity import public_key_of
 from swarm.net.reach import dialable, is_global_addr
 
 logger = logging.getLogger(__name__)
@@ -35,13 +35,12 @@ def path_for(identity_path: Path | None, home: Path) -> Path:
 
 
 def _is_peer_id(text: object) -> bool:
-    """A base58 libp2p peer id (what a multiaddr's /p2p/ part must hold, or the daemon refuses to start)."""
-    if not isinstance(text, str) or not 40 <= len(text) <= 64:
-        return False
+    """A peer id of ours (what a multiaddr's /p2p/ part must hold, or the daemon refuses to start)."""
     try:
-        return len(b58decode(text)) >= 34
+        public_key_of(text)
     except ValueError:
         return False
+    return True
 
 
 class KnownPeers:

@@ -77,8 +77,7 @@ def _warn(node, relays: list[str], direct: list[str]) -> bool:
 async def recheck(node, why: str) -> None:
     """Ask connected peers to dial this node back again. A node found public after all is announced so (its
     daemon relays once its own AutoNAT agrees); any other change needs a restart, which the log says."""
-    helpers = list(dict.fromkeys(str(info.peer_id) for info in await node._p2p.list_peers()))
-    state, detail = await check(node._open_rw, helpers, node.announce_port or node._port)
+    state, detail = await check(node._open_rw, await node.connected_peer_ids(), node.announce_port or node._port)
     if state == node.reach or state == UNKNOWN:
         return
     if node.reach == UNKNOWN and state == PUBLIC:
@@ -92,7 +91,7 @@ async def recheck(node, why: str) -> None:
 async def remember_peers(node) -> None:
     """Ask up to 8 connected peers where they can be dialled, and keep the answers in the known peers file."""
     found: dict[str, list[str]] = {}
-    for peer in list(dict.fromkeys(str(info.peer_id) for info in await node._p2p.list_peers()))[:8]:
+    for peer in (await node.connected_peer_ids())[:8]:
         try:
             answer = await asyncio.wait_for(ask(node._open_rw, peer, {"addrs": True}), ASK_TIMEOUT_S)
         except Exception:  # boundary: a client or an older peer does not answer; it is not remembered

@@ -256,7 +256,7 @@ async def check(open_stream, helpers: list[str], port: int) -> tuple[str, str]:
     refused = [(h, a) for h, a in answers if a.get("reached") is False]
 
     def seen_global(answer: dict) -> bool:
-        return is_global_addr(f"/ip4/{answer.get('seen')}") or is_global_addr(f"/ip6/{answer.get('seen')}")
+        return is_global_addr(f"/ip4/{answer.get('seen')}")  # ip_of takes an IPv6 address there too
 
     # A dial-back from the internet (the helper saw a global address) decides; one from this node's own network
     # (a helper on the same LAN) makes it public only if no helper on the internet failed to reach it.

@@ -167,7 +167,7 @@ class Node:
     async def __aenter__(self) -> Node:
         hm = _hm()
         for addr in self.initial_peers:
-            reach.check_initial_peer(addr, _hm().PeerID.from_base58)
+            reach.check_initial_peer(addr, hm.PeerID.from_base58)
         if self.announce_host and not (self.port or self.announce_port):
             raise ConfigError("--announce-host needs a fixed --port (or --announce-port): the announced address must "
                               "be reachable")
@@ -202,12 +202,9 @@ class Node:
     async def _start_daemon(self, kwargs: dict, extra: dict, initial: Sequence[str]) -> None:
         """Start the daemon (and its reaper) with these `P2P.create` arguments and extra daemon flags."""
         hm = _hm()
-        if self.local:
-            host_maddrs = [f"/ip4/{self.host}/tcp/{self.port}"]
-        else:
-            # TCP only: streams over the daemon's QUIC ended without a reply for about half the pairs measured in
-            # the box of NAT'd homes (benchmarks/home_routers.py), never over TCP or relayed TCP
-            host_maddrs = [f"/ip4/{self.host}/tcp/{self._port}"]
+        # TCP only: streams over the daemon's QUIC ended without a reply for about half the pairs measured in the
+        # box of NAT'd homes (benchmarks/home_routers.py), never over TCP or relayed TCP
+        host_maddrs = [f"/ip4/{self.host}/tcp/{self._port}"]
         announce = None
         if self.announce_host or self.announce_port:
             announce = [f"/ip4/{self.announce_host or self.host}/tcp/{self.announce_port or self.port}"]
@@ -245,8 +242,8 @@ class Node:
         wanted = self.reachability if self.reachability != "auto" else reach.UNKNOWN
         role = "client" if self.client_mode else wanted
         kwargs, extra = reach.daemon_settings(role, relays=given + met, limits=self.relay)
-        attempts = [a for a in (given, met) if a] or [[]]
-        for i, initial in enumerate(attempts):
+        failure: SwarmError | None = None
+        for initial in [a for a in (given, met) if a]:
             try:
                 await self._start_daemon(kwargs, extra, initial)
                 self._joined_through = list(initial)
@@ -255,42 +252,43 @@ class Node:
                                 ", ".join(dict.fromkeys(describe_peer(reach.peer_of(a)) for a in met)))
                 break
             except SwarmError as e:  # unreachable; or, for peers met before, an address the daemon refuses
-                await self._restart_cleanup()
-                if not isinstance(e, SwarmUnreachable) and initial is given:
+                await self._stop_for_restart()
+                if initial is given and not isinstance(e, SwarmUnreachable):
                     raise
-                if i + 1 < len(attempts):
+                failure = e
+                if initial is given and met:
                     logger.warning("no initial peer answered (%s); joining through %d peers met before",
                                    ", ".join(describe_peer(reach.peer_of(a)) for a in given),
                                    len({reach.peer_of(a) for a in met}))
-                elif self.join_alone and not given:
+        else:  # nobody to join through, or nobody answered
+            if failure is None or (self.join_alone and not given):
+                if failure is not None:
                     logger.warning("none of the peers met before answered: starting alone")
-                    await self._start_daemon(kwargs, extra, [])
-                    self._joined_through = []
-                elif isinstance(e, SwarmUnreachable):
-                    raise
-                else:
-                    raise SwarmUnreachable(f"no initial peer answered, nor any peer met before ({e})") from None
+                await self._start_daemon(kwargs, extra, [])
+                self._joined_through = []
+            elif isinstance(failure, SwarmUnreachable):
+                raise failure
+            else:
+                raise SwarmUnreachable(f"no initial peer answered, nor any peer met before ({failure})") from None
         if self.client_mode:
             self.reach = "client"
             return
         if self.reachability != "auto":
             self.reach, self.reach_why = self.reachability, "as configured"
         else:
-            joined = [reach.peer_of(a) for a in self._joined_through]
-            connected = [str(info.peer_id) for info in await self._p2p.list_peers()]
-            helpers = list(dict.fromkeys([p for p in joined if p in connected] + connected))
-            self.reach, self.reach_why = await reach.check(self._open_rw, helpers, self.announce_port or self._port)
+            self.reach, self.reach_why = await reach.check(self._open_rw, await self.connected_peer_ids(),
+                                                           self.announce_port or self._port)
         logger.info("reachability: %s (%s)", self.reach, self.reach_why)
         if self.reach in (reach.PUBLIC, reach.PRIVATE) and self.reachability == "auto":
             kwargs, extra = reach.daemon_settings(self.reach, relays=given + met, limits=self.relay)
-            await self._restart(kwargs, extra, self._joined_through)
+            await self._stop_for_restart()
+            await self._start_daemon(kwargs, extra, self._joined_through)
 
-    async def _restart_cleanup(self) -> None:
-        self._restarting = True
-        try:
-            await self._stop_transport()
-        finally:
-            self._restarting = False
+    async def connected_peer_ids(self) -> list[str]:
+        """Ids of the peers this node is connected to, those it joined through first (each once)."""
+        connected = list(dict.fromkeys(str(info.peer_id) for info in await self._p2p.list_peers()))
+        joined = [p for p in dict.fromkeys(reach.peer_of(a) for a in self._joined_through) if p in connected]
+        return list(dict.fromkeys(joined + connected))
 
     async def dialable_maddrs(self) -> list[str]:
         """The addresses other machines can dial this node at directly: none behind a NAT (it is reached through
@@ -355,9 +353,13 @@ class Node:
                 await asyncio.get_running_loop().run_in_executor(None, self._reaper.wait, STOP_DAEMON_S + 1)
             self._reaper = None
 
-    async def _restart(self, kwargs: dict, extra: dict, initial: Sequence[str]) -> None:
-        await self._restart_cleanup()
-        await self._start_daemon(kwargs, extra, initial)
+    async def _stop_for_restart(self) -> None:
+        """`_stop_transport`, the daemon's exit expected (not reported as this node going offline)."""
+        self._restarting = True
+        try:
+            await self._stop_transport()
+        finally:
+            self._restarting = False
 
     async def _stop_daemon(self) -> None:
         """SIGTERM the daemon (hivemind's shutdown also closes its client) and wait for it; kill it if it lingers."""

@@ -18,6 +18,7 @@ import pytest
 
 import netbox
 from netbox import Box, Host
+from swarm.local.launch import pid_alive
 
 pytestmark = pytest.mark.integration
 
@@ -185,20 +186,12 @@ def test_sweep_removes_what_a_killed_run_left_and_nothing_else(tmp_path: Path):
         tag, orphan = done.stdout.split()
         left = {ns for ns in namespaces() if ns.startswith(f"{tag}-")}
         assert len(left) == 3, left  # what close() would have deleted: the segment, erin and erin's router
-        assert _running(int(orphan))
+        assert pid_alive(int(orphan))
         removed = set(netbox.sweep())
         assert left <= removed and not any(ns.startswith(f"{live.tag}-") for ns in removed)
         assert {f"{live.tag}-wan", f"{live.tag}-frank"} <= namespaces()  # a live box's (its process runs)
         assert not left & namespaces()
     deadline = time.monotonic() + 5
-    while _running(int(orphan)):
+    while pid_alive(int(orphan)):
         assert time.monotonic() < deadline, f"process {orphan} left by the killed run still runs"
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
