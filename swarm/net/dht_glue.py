@@ -38,12 +38,14 @@ def load_hivemind() -> types.SimpleNamespace:
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord, RecordValidatorBase
     from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+    from hivemind.utils.multiaddr import Multiaddr
     from hivemind.utils.serializer import MSGPackSerializer
 
     return types.SimpleNamespace(DHTNode=DHTNode, DHTID=DHTID, DHTRecord=DHTRecord,
                                  RecordValidatorBase=RecordValidatorBase, P2P=P2P,
                                  P2PDaemonError=P2PDaemonError,
-                                 P2PHandlerError=P2PHandlerError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer)
+                                 P2PHandlerError=P2PHandlerError, PeerID=PeerID, MSGPackSerializer=MSGPackSerializer,
+                                 Multiaddr=Multiaddr)
 
 
 @functools.cache

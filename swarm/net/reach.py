@@ -87,15 +87,14 @@ def daemon_settings(reach: str, *, relays: list[str], limits: RelayLimits | None
     return kwargs, extra
 
 
-def check_initial_peer(addr: str, parse_peer_id) -> None:
-    """A full multiaddr with a valid peer id, else a `ConfigError` naming it."""
+def check_initial_peer(addr: str, parse_maddr, parse_peer_id) -> None:
+    """A full multiaddr with a valid peer id, else a `ConfigError` naming it. The parsers are the transport's
+    (hivemind's own copy of the multiaddr library: the `multiaddr` package is not always installed)."""
     example = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
     if not isinstance(addr, str) or not addr.startswith("/") or "/p2p/" not in addr:
         raise ConfigError(f"initial peer {addr!r} is not a full multiaddr like {example}")
     try:
-        from multiaddr import Multiaddr
-
-        Multiaddr(addr)
+        parse_maddr(addr)
         parse_peer_id(peer_of(addr))
     except Exception as e:  # boundary: the parsers raise assorted errors for assorted typos
         raise ConfigError(f"initial peer {addr!r} is not a valid multiaddr ({e}); expected one like "

@@ -167,7 +167,7 @@ class Node:
     async def __aenter__(self) -> Node:
         hm = _hm()
         for addr in self.initial_peers:
-            reach.check_initial_peer(addr, hm.PeerID.from_base58)
+            reach.check_initial_peer(addr, hm.Multiaddr, hm.PeerID.from_base58)
         if self.announce_host and not (self.port or self.announce_port):
             raise ConfigError("--announce-host needs a fixed --port (or --announce-port): the announced address must "
                               "be reachable")
