@@ -72,7 +72,7 @@ class Announcer:
                                    self.num_blocks, figures.sessions, figures.queued, round(self.since, 3),
                                    figures.links or None, figures.max_blocks,
                                    *(figures.precision or (None, None, None)), digest=self.digest,
-                                   reach=getattr(self.node, "reached_by", None))
+                                   reach=self.node.reached_by)
         expiration = now + self.ttl
         own = self.identity.peer_id
         keys = [records.block_key(self.model_id, block) for block in self.span]
