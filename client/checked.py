@@ -7,17 +7,42 @@ verified_length`), and the end once everything is. `checked_generate` runs trans
 active session; when the session rewinds (`Rewound`: a hop was found lying and replaced), it runs generate
 again from the tokens still right, with the same arguments less the tokens already made, at most
 `MAX_REWINDS` times. Greedy output is therefore the honest model's; sampling draws anew after the rewind.
+
+Blocks that no other peer could check (a sole server) count as verified; a generation through them says so:
+an `UncheckedOutputWarning` (once per generation) and the output's `unchecked_blocks` attribute (the API's
+`X-Swarm-Unchecked-Blocks` header and usage field carry the same text). `--require-checked` refuses them.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
 from swarm.errors import Rewound, SwarmError
 
 MAX_REWINDS = 8
+
+
+class UncheckedOutputWarning(UserWarning):
+    """Some blocks of a generation's route were computed by a peer no other peer could check."""
+
+
+# every generation through unchecked blocks says so, not only the first one at a given line (a caller's own
+# filters come first and still win)
+warnings.filterwarnings("always", category=UncheckedOutputWarning, append=True)
+
+
+def unchecked_text(hops) -> list[str]:
+    """Hops whose outputs no other peer could check, as users read them (and HTTP headers carry them, in ASCII):
+    '[15:30) at XXXXXXXX', the peer's id's last 8 characters."""
+    return [str(hop) for hop in hops]
+
+
+def unchecked_message(blocks: list[str]) -> str:
+    return (f"blocks {', '.join(blocks)} were computed by a peer that no other peer could check: their outputs are "
+            "unchecked (--require-checked refuses them)")
 
 
 class HeldStreamer:
@@ -68,7 +93,7 @@ def checked_generate(generate, remote, inputs: torch.Tensor, kwargs: dict):
             out = generate(ids, streamer=held if held.streamer is not None else None, **kwargs)
             remote.model.connection.run(remote.session.verify())
             held.finish()
-            return out
+            return _said(out, unchecked_text(remote.session.unchecked))
         except Rewound as e:
             right = remote.last_ids[:, :e.position + 1]
             if right.shape[1] < prompt_length:
@@ -77,6 +102,17 @@ def checked_generate(generate, remote, inputs: torch.Tensor, kwargs: dict):
             kwargs = _less(base, right.shape[1] - prompt_length, right.shape[1])
             ids = right
     raise SwarmError(f"outputs were found wrong {MAX_REWINDS} times in one generation")
+
+
+def _said(out, blocks: list[str]):
+    """`out` with `unchecked_blocks` set, after warning once if there are any."""
+    if blocks:
+        warnings.warn(unchecked_message(blocks), UncheckedOutputWarning, stacklevel=4)
+    try:
+        out.unchecked_blocks = blocks
+    except AttributeError:
+        pass  # an output type that takes no attributes: the warning said it
+    return out
 
 
 def _less(kwargs: dict, made: int, length: int) -> dict:

@@ -61,6 +61,9 @@ class ClientConfig:
     verify_fraction: float = option(0.1, metavar="P", help="after each step, each hop is checked against another "
                                     "replica of its blocks with this probability (everything since its last check "
                                     "is compared; 0: no checks); users see only checked output")
+    require_checked: bool = option(False, help="refuse to compute through blocks whose outputs no other peer can "
+                                   "check (a sole server) with an error, instead of warning that the output is "
+                                   "unchecked")
 
     def __post_init__(self) -> None:
         positive = ("refresh_interval", "ping_timeout", "open_timeout", "step_timeout", "min_deadline",
@@ -82,6 +85,8 @@ class ClientConfig:
             raise ConfigError(f"--prefill-chunk must be 0 or more, not {self.prefill_chunk}")
         if not 0 <= self.verify_fraction <= 1:
             raise ConfigError(f"--verify-fraction must be in [0, 1], not {self.verify_fraction}")
+        if self.require_checked and self.verify_fraction <= 0:
+            raise ConfigError("--require-checked needs checks: --verify-fraction must be above 0")
         if not (math.isfinite(self.wait_for_blocks) and self.wait_for_blocks >= 0):
             raise ConfigError(f"--wait-for-blocks must be 0 or a number of seconds, not {self.wait_for_blocks}")
 

@@ -31,6 +31,7 @@ import torch
 
 from client.drafts import PromptLookup
 from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
+from client.inference.routing import Hop
 from client.inference.session import Failover, InferenceSession
 from client.inference.swarm_client import SwarmClient
 from swarm.errors import Rewound, SwarmError
@@ -108,6 +109,7 @@ class Generation:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when `sampling.prompt_logprobs`
         self.drafted = self.accepted = 0  # tokens drafted by prompt lookup, and those the model kept
         self.session: InferenceSession | None = None
+        self.unchecked: list[Hop] = []  # hops of its route no other peer could check (`InferenceSession.unchecked`)
 
     @property
     def waiting(self) -> str | None:
@@ -145,6 +147,7 @@ class Generation:
                         if s.prompt_logprobs and position < prompt:
                             hidden = await self._in_pool(self.head.embed, ids, position)
                             out = await session.step(hidden, position)
+                            self.unchecked = session.unchecked
                             await self._in_pool(self._score_prompt, out, position)
                         await session.verify()
                         for c in self.choices:
@@ -157,6 +160,7 @@ class Generation:
                         feed = torch.cat([ids, torch.tensor([drafts], dtype=torch.int64)], 1) if drafts else ids
                         hidden = await self._in_pool(self.head.embed, feed, position)
                         out = await session.step(hidden, position)
+                        self.unchecked = session.unchecked
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
                         if drafts:  # the token chosen at each fed position, up to the first draft it differs from
@@ -177,6 +181,7 @@ class Generation:
                             saved[:self.released] = [None] * self.released  # never rewound to: released
                             yield out_now
                     await session.verify()  # everything, before the last deltas go out
+                    self.unchecked = session.unchecked
                     yield self._release(pending, len(made), len(made))
                     return
                 except Rewound as e:

@@ -112,6 +112,22 @@ class Rewound(SwarmError):
         self.position = position
 
 
+class Disputed(SwarmError):
+    """Two peers computed different outputs for the same blocks and inputs, and no third peer could tell which
+    is right: the client refuses to give out what either computed."""
+
+    code = "disputed"
+    retryable = False
+
+
+class Unchecked(SwarmError):
+    """The route has blocks that no other peer can check, and the client was told to refuse unchecked outputs
+    (`--require-checked`)."""
+
+    code = "unchecked"
+    retryable = False
+
+
 class NoRoute(SwarmError):
     """Some blocks of the model have no live peer that can take the request; names the blocks."""
 

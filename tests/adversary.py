@@ -8,7 +8,9 @@ Modes:
 - `blackhole`: takes session streams and never answers `open` (it answers pings).
 - `noisy` (or `noisy:P`): adds noise to every step's output (or to each with probability P), in its replies
   and its pushes alike (a consistent lie that only a recomputation elsewhere can catch), and claims to be
-  100 times faster than it is.
+  100 times faster than it is. Its stateless forwards are honest.
+- `liar`: as `noisy`, and its stateless forwards carry noise too (a lie consistent across every way the
+  client can ask it, which only other peers can expose).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch
 
 from peer import capacity, servicer
 from swarm import cli
-from swarm.net import messages
+from swarm.net import messages, wire
 
-MODES = ("tamper-push", "blackhole", "noisy")
+MODES = ("tamper-push", "blackhole", "noisy", "liar")
 
 
 def adversary(mode: str) -> tuple[str, ...]:
@@ -62,6 +64,26 @@ def _noisy(p: float = 1.0) -> None:
     capacity.Capacity.throughput = lambda self, blocks: 100 * speed(self, blocks)
 
 
+def _liar() -> None:
+    _noisy()
+    original = servicer.Servicer._one_request
+
+    async def one_request(self, stream, handle):
+        async def lying(msg):
+            reply = await handle(msg)
+            if reply.type != wire.OUTPUT:
+                return reply
+            output = messages.Output.from_message(reply)
+            x = output.hidden.decode().float()
+            altered = x + 0.5 * x.abs().mean() * torch.randn_like(x)
+            return dataclasses.replace(output, hidden=messages.Hidden.encode(altered, output.hidden.encoding)) \
+                .to_message()
+
+        return await original(self, stream, lying)
+
+    servicer.Servicer._one_request = one_request
+
+
 def _blackhole() -> None:
     async def serve_session(self, stream):
         await asyncio.sleep(3600)  # holds the stream, reads nothing, answers nothing
@@ -72,5 +94,5 @@ def _blackhole() -> None:
 if __name__ == "__main__":
     mode, argv = sys.argv[1], sys.argv[2:]
     name, _, arg = mode.partition(":")
-    {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy}[name](*map(float, filter(None, [arg])))
+    {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy, "liar": _liar}[name](*map(float, filter(None, [arg])))
     sys.exit(cli.main(argv))

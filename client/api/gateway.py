@@ -50,7 +50,7 @@ from client.api import chat_page, embeddings as api_embeddings, tokenizer as api
 from client.api.errors import model_not_found
 from client.api.requests import ApiError, Common, invalid, parse_chat, parse_completion
 from client.api.metrics import ApiMetrics
-from client.api.responses import ResponseBodies
+from client.api.responses import ResponseBodies, unchecked_headers
 from client.api.served import ServedModel, load, served_models
 from client.api.stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
@@ -360,11 +360,12 @@ class Gateway:
             self.metrics.ttft.labels(out.model).observe(max(g.first_token_s or 0.0 for g in runs.gens))
             if not stream:
                 await runs.drain()
-                return web.json_response(out.whole(runs.gens))
+                return web.json_response(out.whole(runs.gens), headers=unchecked_headers(runs.gens))
         except SwarmError as e:
             raise api_error(e, self.config.retry_after) from None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no", **self._cors()})
+                                               "X-Accel-Buffering": "no", **self._cors(),
+                                               **unchecked_headers(runs.gens)})
         await response.prepare(request)
         request[STREAMING] = True
         writer = Writer(request, response, self.config.write_timeout)

@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from client.api.tools import Tools, ToolStream, find_calls, openai_calls
+from client.checked import unchecked_text
 from client.generation import Delta, Generation
 from client.sampling import TokenLogprob
 
 NO_LOGPROB = -9999.0  # what -inf is sent as
+UNCHECKED_HEADER = "X-Swarm-Unchecked-Blocks"
 
 
 class ResponseBodies:
@@ -182,7 +184,22 @@ def _value(logprob: float) -> float:
     return logprob if logprob > NO_LOGPROB else NO_LOGPROB
 
 
-def usage(gens: list[Generation]) -> dict[str, int]:
+def usage(gens: list[Generation]) -> dict[str, Any]:
+    """OpenAI's usage figures, and `unchecked_blocks` when some blocks had no other peer to check them."""
     prompt = sum(g.prompt_tokens for g in gens)
     completion = sum(g.completion_tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    figures = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if blocks := unchecked_blocks(gens):
+        figures["unchecked_blocks"] = blocks
+    return figures
+
+
+def unchecked_blocks(gens: list[Generation]) -> list[str]:
+    """The hops of these generations' routes that no other peer could check (`client.checked.unchecked_text`)."""
+    return sorted({text for g in gens for text in unchecked_text(g.unchecked)})
+
+
+def unchecked_headers(gens: list[Generation]) -> dict[str, str]:
+    """`X-Swarm-Unchecked-Blocks` when some blocks had no other peer to check them."""
+    blocks = unchecked_blocks(gens)
+    return {UNCHECKED_HEADER: ", ".join(blocks)} if blocks else {}

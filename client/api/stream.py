@@ -119,4 +119,7 @@ def api_error(err: SwarmError, retry_after: int) -> ApiError:
                         headers={"Retry-After": str(retry_after)})
     if err.code == "bad_request":
         return ApiError(400, str(err), code="bad_request")
+    if err.code == "unchecked":  # refused by this server's --require-checked: more peers may make it checkable
+        return ApiError(503, str(err), type="service_unavailable", code="unchecked",
+                        headers={"Retry-After": str(retry_after)})
     return ApiError(502, f"the swarm failed: {err}", type="server_error", code=err.code)

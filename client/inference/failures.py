@@ -17,6 +17,11 @@ reroute the hop's span (the caller then replaces the hop and, in a session, repl
   a failure of the previous hop. A downstream peer that reports mismatches against two different
   upstream peers is suspected of lying itself and banned too (one peer cannot frame honest ones for
   long).
+- A failed check of outputs (`client.inference.verify`, `client.inference.arbiter`) ends in one of two
+  ways: a liar is found (`convict`: banned for long), or two computations disagreed and nothing could tell
+  which is right (`dispute`). Disputes are remembered across sessions:
+  a peer that disagreed with two different peers is the liar (two independent honest peers agree), and
+  the peers it disputed with are cleared.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class FailurePolicy:
     max_retries: int
     proven: set[str] = field(default_factory=set)
     blamed_by: dict[str, set[str]] = field(default_factory=dict)  # accuser -> the peers it blamed
+    convicted: set[str] = field(default_factory=set)  # peers found returning wrong outputs
+    disputes: dict[str, set[str]] = field(default_factory=dict)  # peer -> the peers it disagreed with, unresolved
 
     def succeeded(self, peer: str) -> None:
         self.proven.add(peer)
@@ -63,11 +70,30 @@ class FailurePolicy:
         """The failure count of one request (a step of a session, or a forward) about `what` (the model)."""
         return Attempts(self, what)
 
-    def wrong_output(self, liar: str, checker: str) -> None:
-        """`checker`, a replica, computed other outputs than `liar` for the same inputs: `liar` is banned for long;
-        a checker that accuses a second peer is banned as well."""
+    def convict(self, liar: str) -> None:
+        """`liar` returned wrong outputs (a majority, or its own recomputation, says so): banned for long; the
+        peers it disputed with are cleared of those disputes."""
         self.ban(liar, "wrong_output", LIAR_BAN_S)
-        self._accused(checker, liar, "checker")
+        self.convicted.add(liar)
+        for other in self.disputes.pop(liar, set()):
+            self.disputes.get(other, set()).discard(liar)
+
+    def dispute(self, a: str, b: str) -> str | None:
+        """`a` and `b` computed different outputs for the same inputs and no third peer could tell which is right.
+        Returns the liar if this makes one plain (a peer disputing two different peers; it is convicted)."""
+        self.disputes.setdefault(a, set()).add(b)
+        self.disputes.setdefault(b, set()).add(a)
+        for peer in (a, b):
+            if len(self.disputes[peer]) >= 2:
+                logger.warning("peer %s disagreed with %d different peers about their outputs: it is the one lying",
+                               describe_peer(peer), len(self.disputes[peer]))
+                self.convict(peer)
+                return peer
+        return None
+
+    def disputed(self, peer: str) -> set[str]:
+        """The peers `peer` disagreed with, unresolved."""
+        return set(self.disputes.get(peer, ()))
 
     def chain_mismatch(self, upstream: str, downstream: str) -> None:
         """`downstream` computed on something other than `upstream`'s output: `upstream` is banned for long

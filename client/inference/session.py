@@ -200,7 +200,7 @@ class InferenceSession:
             live.encodings = self.client.encodings(hops)
         if self.verifier is None and self.config.verify_fraction > 0:
             self.verifier = Verifier(self.client, self.config.verify_fraction, self.rng, self.max_length,
-                                     live.batch, live.views, live.formats)
+                                     live.batch, live.views, live.formats, self.config.require_checked)
         logger.debug("route: %s (%s on the wire)", " -> ".join(str(h) for h in self.route),
                      "/".join(live.encodings.all))
 
@@ -214,6 +214,14 @@ class InferenceSession:
             return self.length
         return min((self.verifier.verified(link.hop.span, self.length) for link in self.live.links),
                    default=self.length)
+
+    @property
+    def unchecked(self) -> list[Hop]:
+        """Hops of the route whose outputs no other peer can check (they count as verified): what callers warn
+        about. Empty when checks are off (`verify_fraction` 0: nothing is checked, and callers know it)."""
+        if self.verifier is None:
+            return []
+        return [link.hop for link in self.live.links if self.verifier.unchecked.get(link.hop.span) == link.hop.peer]
 
     async def verify(self) -> None:
         """Check every hop up to the current length now; `Rewound` if a hop was found lying."""

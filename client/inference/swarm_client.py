@@ -266,16 +266,17 @@ class SwarmClient:
         """How a session over `hops` encodes hidden states on the wire (`choose_encodings`)."""
         return choose_encodings(self.config, [(self.offer(h.peer).dtype, self.offer(h.peer).quant) for h in hops])
 
-    def replica(self, span: Span, *, exclude: set[str], fmt: str,
-                rng: random.Random | None = None) -> Hop | None:
-        """Another peer serving all of `span` in weight format `fmt`, to check a hop against (peers of other
-        formats compute other numbers); those this client has measured first; None if there is none."""
-        candidates = [o.peer for o in self.offers.values() if o.span.start <= span.start and span.end <= o.span.end
-                      and o.peer not in exclude and not self.bans.banned(o.peer) and o.format == fmt]
-        if not candidates:
+    def checkers(self, span: Span, *, exclude: set[str], fmt: str, cache_tokens: int = 0,
+                 rng: random.Random | None = None) -> list[Hop] | None:
+        """The cheapest chain of other peers covering `span` in weight format `fmt`, to check a hop against (one
+        peer serving all of it, or several whose spans together cover it; peers of other formats compute other
+        numbers); None if there is none."""
+        offers = [o for o in self.offers.values() if o.format == fmt]
+        try:
+            return find_route(offers, span, self.measurements, self.bans, exclude=exclude, cache_tokens=cache_tokens,
+                              model=self.model_id, load=self.own_load, rng=rng)
+        except NoRoute:
             return None
-        measured = sorted(p for p in candidates if self.measurements.delay_ms(p) is not None)
-        return Hop((rng or random).choice(measured or sorted(candidates)), span)
 
     def offer(self, peer: str) -> Offer:
         return self.offers.get(peer) or Offer(peer, self.span)

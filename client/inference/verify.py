@@ -1,28 +1,34 @@
-"""Checked outputs: a session's hops are recomputed on other replicas of the same blocks, in the background,
+"""Checked outputs: a session's hops are recomputed by other peers covering the same blocks, in the background,
 and compared. Async, on the session's event loop.
 
-For each hop of the route the verifier keeps a *shadow*: a session on another peer serving the hop's blocks
-in the same weight format (peers of other formats compute other numbers) that has been sent the hop's
-inputs for positions `[0, verified)` and agreed on every output there. After each step, each hop starts a check with probability
-`fraction` (if none is running): the shadow is sent the hop's inputs `[verified, length)` as one chunk (in
-float32: exactly the values the hop received) and its outputs are compared with what the hop returned. So
-every position is eventually compared, in chunks that cost a replica about what one decode step costs, and
-`fraction` sets how soon: a peer that lies on every step is caught at the first check after its first lie
-(about `1 / fraction` steps), and one that lies on some steps at the first check after any of them. `flush`
-checks everything up to the current length (a generation calls it before its last tokens go out).
+For each hop of the route the verifier keeps a *shadow*: a chain of other peers whose spans together cover the
+hop's blocks (one peer serving all of them, or several serving parts: `SwarmClient.checkers`), in the same
+weight format (peers of other formats compute other numbers), with a session at each that has been sent the
+hop's inputs for positions `[0, verified)`, and whose last output agreed with the hop's on every position
+there. After each step, each hop starts a check with probability `fraction` (if none is running): the hop's
+inputs `[verified, length)` go through the shadow's chain as one chunk (in float32: exactly the values the
+hop received) and the chain's output is compared with what the hop returned. So every position is
+eventually compared, in chunks that cost the checkers about what one decode step costs, and `fraction` sets
+how soon: a peer that lies on every step is caught at the first check after its first lie (about
+`1 / fraction` steps), and one that lies on some steps at the first check after any of them. `flush` checks
+everything up to the current length (a generation calls it before its last tokens go out).
 
 Outputs agree when, at every position, the relative L2 distance of the hidden vectors is within the
-tolerance of the formats involved (`tolerance`): honest replicas differ by rounding (a chunk and single
-tokens use different kernels; 16-bit and 8-bit formats and wire encodings round more). A lie smaller than
-that is not caught: it is also no larger than what honest peers of those formats differ by.
+tolerance of the formats involved (`tolerance`): honest peers differ by rounding (a chunk and single tokens
+use different kernels; 16-bit and 8-bit formats and wire encodings round more). A lie smaller than that is
+not caught: it is also no larger than what honest peers of those formats differ by.
 
-On a mismatch the hop's peer is taken for the liar (the client cannot tell a lying checker from a lying
-hop with two replicas, so a checker that accuses two different peers is banned as well): it is banned for
-long, and the session records `lie`: the first position whose output was wrong. The session then rolls
-back to it and replaces the hop (`InferenceSession.step` raises `Rewound`), and the generation goes on from
-that position: what users saw was only verified output (`verified_length`), so nothing they saw changes.
-A hop whose blocks have no other peer cannot be checked: it counts as verified (logged), until a replica
-appears; then it is checked from the start.
+When they differ, `client.inference.arbiter` settles who lied, by recomputations and a
+third opinion where one exists. A liar is banned for long; if it was the hop, the session records `lie`
+(the first position whose output was wrong), rolls back to it and replaces the hop (`InferenceSession.step`
+raises `Rewound`), and the generation goes on from that position: users saw only verified output
+(`verified_length`), so nothing they saw changes. If it was a checker, the hop gets other checkers. If
+nothing can tell, the dispute stays open: the hop's outputs from there are not verified, other checkers
+are tried, and `flush` raises `Disputed` if none settles it.
+
+A hop whose blocks no other chain covers cannot be checked: it counts as verified (logged) until checkers
+appear, then it is checked from the start. Such hops are listed (`unchecked`) so that callers can say so;
+with `require_checked` a hop that cannot be checked raises `Unchecked` instead.
 """
 
 from __future__ import annotations
@@ -35,15 +41,19 @@ from dataclasses import dataclass
 
 import torch
 
+from client.inference.arbiter import Verdict, distances, settle
 from client.inference.encodings import REPLAY_ENCODING
 from client.inference.failures import reason_of
+from client.inference.hops import Inputs
 from client.inference.peer_session import PeerSession
 from client.inference.routing import Hop
-from swarm.errors import SwarmError
+from swarm.errors import Disputed, SwarmError, Unchecked
 from swarm.span import Span
 from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Verifier", "distances", "tolerance"]
 
 TOLERANCES = (("nf4", 0.15), ("int8", 0.06), ("float16", 0.03), ("bfloat16", 0.03), ("float32", 1e-3))
 
@@ -52,12 +62,6 @@ def tolerance(formats: tuple[str, ...]) -> float:
     """Largest relative distance honest outputs may have, for the weight formats and wire encodings involved
     (e.g. "int8/bfloat16", "float32", "float16"): the loosest of them."""
     return max((tol for name, tol in TOLERANCES if any(name in f for f in formats)), default=TOLERANCES[-1][1])
-
-
-def distances(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Per position, the largest over the batch of |got - want| / |want| (L2 over the hidden dimension)."""
-    got, want = got.float(), want.float()
-    return ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).amax(0)
 
 
 @dataclass
@@ -70,12 +74,26 @@ class Lie:
 
 
 @dataclass
+class Dispute:
+    """The hop's peer and a checker disagree from `position` on, and nothing could tell which is right yet."""
+
+    primary: str
+    checker: str
+    position: int
+
+
+@dataclass
 class Shadow:
-    hop: Hop  # the checking replica
+    hops: list[Hop]  # the checking chain, covering the hop's blocks
     primary: str  # the peer whose outputs it checks
-    session: PeerSession | None = None
+    sessions: list[PeerSession | None]
+    outputs: list[Inputs | None]  # each checker's outputs for positions [0, verified) (for settling a mismatch)
     verified: int = 0
     task: asyncio.Task | None = None
+
+    @property
+    def peers(self) -> set[str]:
+        return {hop.peer for hop in self.hops}
 
 
 class Verifier:
@@ -84,15 +102,20 @@ class Verifier:
 
     def __init__(self, client, fraction: float, rng: random.Random, max_length: int, batch: int,
                  views: Callable[[Span], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None],
-                 formats: Callable[[Span], tuple[str, ...]]):
+                 formats: Callable[[Span], tuple[str, ...]], require_checked: bool = False):
         self.client, self.fraction, self.rng = client, fraction, rng
         self.max_length, self.batch, self.views, self.formats = max_length, batch, views, formats
+        self.require_checked = require_checked
         self.shadows: dict[Span, Shadow] = {}
-        self.unchecked: set[Span] = set()  # spans that had no other replica when last looked for
+        self.unchecked: dict[Span, str] = {}  # spans no other chain covered when last looked for -> their peer
+        self.disputes: dict[Span, Dispute] = {}
         self.lie: Lie | None = None
         self.checks = self.chunks_tokens = 0
 
     def verified(self, span: Span, length: int) -> int:
+        dispute = self.disputes.get(span)
+        if dispute is not None:
+            return min(dispute.position, length)
         if span in self.unchecked and span not in self.shadows:
             return length
         shadow = self.shadows.get(span)
@@ -112,36 +135,82 @@ class Verifier:
         if shadow is not None and shadow.primary != peer:
             self.drop(span)  # the hop moved to another peer: check it afresh
             shadow = None
+        if not self._settled(span, peer):
+            return None
         if shadow is None:
-            replica = self.client.replica(span, exclude={peer}, fmt=self.client.offer(peer).format, rng=self.rng)
-            if replica is None:
-                if span not in self.unchecked:
-                    logger.info("blocks %s have no other peer to check %s against", span, describe_peer(peer))
-                self.unchecked.add(span)
+            shadow = self._shadow(span, peer)
+            if shadow is None:
                 return None
-            self.unchecked.discard(span)  # checked from the start, now that a replica is there
-            shadow = self.shadows[span] = Shadow(replica, peer)
         if shadow.task is None or shadow.task.done():
             if shadow.verified < length:
                 shadow.task = asyncio.create_task(self._check(span, shadow, length))
         return shadow.task
 
+    def _settled(self, span: Span, peer: str) -> bool:
+        """Whether the hop may be checked now: an open dispute about it is over (a side was convicted) or other
+        checkers may settle it. A convicted hop becomes `lie`."""
+        dispute = self.disputes.get(span)
+        if dispute is None:
+            return True
+        if dispute.primary != peer or dispute.checker in self.client.failures.convicted:
+            del self.disputes[span]  # the hop moved, or its accuser was the liar: checked afresh
+            return True
+        if dispute.primary in self.client.failures.convicted:
+            del self.disputes[span]
+            self.lie = Lie(peer, span, dispute.position, float("nan"), dispute.checker)
+            return False
+        return self.client.checkers(span, exclude=self._excluded(peer), fmt=self.client.offer(peer).format) \
+            is not None
+
+    def _excluded(self, peer: str) -> set[str]:
+        return {peer} | self.client.failures.disputed(peer)
+
+    def _shadow(self, span: Span, peer: str) -> Shadow | None:
+        hops = self.client.checkers(span, exclude=self._excluded(peer), fmt=self.client.offer(peer).format,
+                                    cache_tokens=self.batch * self.max_length, rng=self.rng)
+        if hops is None:
+            if span in self.disputes:
+                return None  # no one else to ask: the dispute stays open
+            if span not in self.unchecked:
+                logger.info("blocks %s have no other peers to check %s against", span, describe_peer(peer))
+                if self.require_checked:
+                    raise Unchecked(f"blocks {span} of {self.client.model_id} are served by peer "
+                                    f"{describe_peer(peer)} alone: no other peer can check its outputs, and "
+                                    "checked outputs were required (--require-checked)")
+            self.unchecked[span] = peer
+            return None
+        self.unchecked.pop(span, None)  # checked from the start, now that checkers are there
+        shadow = self.shadows[span] = Shadow(hops, peer, [None] * len(hops), [None] * len(hops))
+        return shadow
+
     async def flush(self, links: list[tuple[Span, str]], length: int) -> None:
-        """Check every hop up to `length` now (and wait for it)."""
+        """Check every hop up to `length` now (and wait for it); `Disputed` if a dispute stays open."""
         if self.fraction <= 0:
             return
-        for _ in range(3):  # a check that was running covers less than `length`: once more
+        for _ in range(4):  # a check that was running covers less than `length`, or a dispute moved on: again
             tasks = [t for span, peer in links if (t := self.start(span, peer, length)) is not None]
-            if not tasks or self.lie is not None:
+            if self.lie is not None:
                 return
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if all(self.verified(span, length) >= length for span, _ in links):
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if self.lie is not None or all(self.verified(span, length) >= length for span, _ in links):
                 return
+        for span, peer in links:
+            if (dispute := self.disputes.get(span)) is not None and dispute.primary == peer:
+                raise Disputed(f"peers {describe_peer(peer)} and {describe_peer(dispute.checker)} computed "
+                               f"different outputs for blocks {span} from position {dispute.position}, and no "
+                               "third peer can tell which is right")
 
     def rollback(self, position: int) -> None:
         """The session now holds positions `[0, position)` only."""
         for shadow in self.shadows.values():
             shadow.verified = min(shadow.verified, position)
+            for kept in shadow.outputs:
+                if kept is not None:
+                    kept.truncate(shadow.verified)
+        for span, dispute in list(self.disputes.items()):
+            if dispute.position >= position:
+                del self.disputes[span]  # the positions in dispute are gone: checked afresh
 
     def drop(self, span: Span) -> None:
         shadow = self.shadows.pop(span, None)
@@ -153,15 +222,38 @@ class Verifier:
         for shadow in shadows:
             self._end(shadow)
         await asyncio.gather(*(s.task for s in shadows if s.task is not None), return_exceptions=True)
-        await asyncio.gather(*(self.client.close_session(s.hop.peer, s.session) for s in shadows
-                               if s.session is not None))
+        await asyncio.gather(*(self.client.close_session(hop.peer, session) for s in shadows
+                               for hop, session in zip(s.hops, s.sessions) if session is not None))
 
     def _end(self, shadow: Shadow) -> None:
         if shadow.task is not None and not shadow.task.done():
             shadow.task.cancel()
-        if shadow.session is not None:
-            session, shadow.session = shadow.session, None
-            asyncio.ensure_future(self.client.close_session(shadow.hop.peer, session))
+        for i, (hop, session) in enumerate(zip(shadow.hops, shadow.sessions)):
+            if session is not None:
+                shadow.sessions[i] = None
+                asyncio.ensure_future(self.client.close_session(hop.peer, session))
+
+    async def _through(self, shadow: Shadow, x: torch.Tensor, start: int,
+                       mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """`x` (positions from `start`) through the shadow's chain: each checker's output. A checker that fails
+        is banned and dropped with its shadow (`CheckerFailed`)."""
+        outs = []
+        for i, hop in enumerate(shadow.hops):
+            try:
+                if shadow.sessions[i] is None:
+                    shadow.sessions[i] = await self.client.open_session(hop, max_length=self.max_length,
+                                                                        batch=self.batch,
+                                                                        encodings=(REPLAY_ENCODING,))
+                x = await asyncio.wait_for(shadow.sessions[i].step(x, start, mask, REPLAY_ENCODING),
+                                           self.client.deadline(hop, x.shape[0] * x.shape[1]))
+            except (asyncio.TimeoutError, SwarmError) as e:
+                # the checker failed, not the hop: other checkers next time
+                logger.info("checking blocks %s at peer %s failed (%s)", hop.span, describe_peer(hop.peer),
+                            reason_of(e))
+                self.client.ban(hop.peer, reason_of(e))
+                raise CheckerFailed from None
+            outs.append(x)
+        return outs
 
     async def _check(self, span: Span, shadow: Shadow, length: int) -> None:
         views = self.views(span)
@@ -174,30 +266,65 @@ class Verifier:
         x, want = inputs[:, start:length].clone(), outputs[:, start:length].clone()
         mask = None if mask is None else mask[:, :length].clone()
         try:
-            if shadow.session is None:
-                shadow.session = await self.client.open_session(shadow.hop, max_length=self.max_length,
-                                                                batch=self.batch, encodings=(REPLAY_ENCODING,))
-            got = await asyncio.wait_for(shadow.session.step(x, start, mask, REPLAY_ENCODING),
-                                         self.client.deadline(shadow.hop, x.shape[0] * x.shape[1]))
-        except (asyncio.TimeoutError, SwarmError) as e:
-            # the checker failed, not the hop: another replica checks next time
-            logger.info("checking blocks %s at peer %s failed (%s)", span, describe_peer(shadow.hop.peer), reason_of(e))
-            self.client.ban(shadow.hop.peer, reason_of(e))
+            outs = await self._through(shadow, x, start, mask)
+        except CheckerFailed:
             if self.shadows.get(span) is shadow:
                 self.drop(span)
             return
         self.checks += 1
         self.chunks_tokens += x.shape[1]
-        far = distances(got, want)
-        tol = tolerance(self.formats(span) + (self.client.offer(shadow.hop.peer).format,))
+        far = distances(outs[-1], want)
+        tol = tolerance(self.formats(span) + (self.client.offer(shadow.primary).format,))
         bad = (far > tol).nonzero()
         if len(bad) == 0:
-            shadow.verified = max(shadow.verified, length)
+            if shadow.verified == start:
+                self._keep(shadow, outs, start)
+                shadow.verified = length
             return
-        first = int(bad[0])
-        self.lie = Lie(shadow.primary, span, start + first, float(far[first]), shadow.hop.peer)
-        logger.warning("peer %s returned wrong outputs for blocks %s at position %d (off by %.3g, tolerance "
-                       "%.3g, checked at %s)", describe_peer(shadow.primary), span, start + first, float(far[first]),
-                       tol, describe_peer(shadow.hop.peer))
-        self.client.failures.wrong_output(shadow.primary, shadow.hop.peer)
-        shadow.verified = start + first
+        first = start + int(bad[0])
+        logger.info("blocks %s: peer %s and checkers %s disagree from position %d (off by %.3g, tolerance %.3g)",
+                    span, describe_peer(shadow.primary), ", ".join(describe_peer(p) for p in sorted(shadow.peers)),
+                    first, float(far[first - start]), tol)
+        upto = first + 1
+        piece_inputs = [torch.cat([inputs[:, :start], x], 1)[:, :upto]]
+        piece_outputs = []
+        for kept, out in zip(shadow.outputs, outs):
+            before = kept.view()[:, :start] if kept is not None and start else out[:, :0]
+            piece_outputs.append(torch.cat([before, out], 1)[:, :upto])
+        piece_inputs += piece_outputs[:-1]
+        verdict = await settle(self.client, shadow.primary, self.client.offer(shadow.primary).format, shadow.hops,
+                               piece_inputs, piece_outputs, None if mask is None else mask[:, :upto], tol)
+        if self.shadows.get(span) is shadow:
+            self.drop(span)
+        self._judge(span, shadow.primary, verdict, first, float(far[first - start]), shadow)
+
+    def _judge(self, span: Span, primary: str, verdict: Verdict, first: int, distance: float,
+               shadow: Shadow) -> None:
+        checker = ", ".join(describe_peer(p) for p in sorted(shadow.peers))
+        if verdict.liar == primary:
+            if verdict.convicted:
+                self.client.failures.convict(primary)
+            logger.warning("peer %s returned wrong outputs for blocks %s at position %d (off by %.3g, checked "
+                           "at %s)", describe_peer(primary), span, first, distance, checker)
+            self.lie = Lie(primary, span, first, distance, checker)
+        elif verdict.liar is not None:
+            if verdict.convicted:
+                self.client.failures.convict(verdict.liar)
+            logger.warning("peer %s returned wrong outputs while checking blocks %s of peer %s: other checkers "
+                           "next", describe_peer(verdict.liar), span, describe_peer(primary))
+        else:
+            logger.warning("peers %s and %s disagree about blocks %s from position %d, and no third peer can "
+                           "tell which is right", describe_peer(primary), describe_peer(verdict.other),
+                           verdict.span, first)
+            self.disputes[span] = Dispute(primary, verdict.other, first)
+
+    def _keep(self, shadow: Shadow, outs: list[torch.Tensor], start: int) -> None:
+        for i, out in enumerate(outs):
+            if start == 0 or shadow.outputs[i] is None:
+                shadow.outputs[i] = Inputs(out, self.max_length)
+            else:
+                shadow.outputs[i].append(out)
+
+
+class CheckerFailed(Exception):
+    """A checker of a shadow failed (it is banned; the shadow is dropped)."""

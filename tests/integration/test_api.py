@@ -134,6 +134,23 @@ def test_chat_equals_sdk_generate_streamed_or_not(oai, model_id, tokenizer, sdk_
     assert chunks[-1].usage.completion_tokens == tokens and not chunks[-1].choices
 
 
+def test_blocks_no_other_peer_can_check_are_named_in_a_header_and_the_usage(api, model_id):
+    """The demo swarm's three peers each serve their blocks alone: nothing checks them, and answers say so."""
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    status, headers, whole = post(api + "/completions", body)
+    assert status == 200
+    blocks = headers["X-Swarm-Unchecked-Blocks"].split(", ")
+    assert [b.split(" at ")[0] for b in blocks] == ["[0:10)", "[10:20)", "[20:30)"]
+    assert whole["usage"]["unchecked_blocks"] == blocks
+    req = urllib.request.Request(api + "/completions", json.dumps({**body, "stream": True, "stream_options": {
+        "include_usage": True}}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.headers["X-Swarm-Unchecked-Blocks"] == headers["X-Swarm-Unchecked-Blocks"]
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    assert events[-1]["usage"]["unchecked_blocks"] == blocks
+
+
 def test_stop_strings_cut_the_text_streamed_or_not(oai, model_id, tokenizer, sdk_text):
     expected, _ = sdk_text(tokenizer(PROMPT).input_ids, 24)
     assert "." in expected
