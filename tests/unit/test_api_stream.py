@@ -36,7 +36,7 @@ async def failing_events(error: BaseException):
 
 def serve_stream(gw: Gateway, error: BaseException):
     async def handler(request: web.Request) -> web.StreamResponse:
-        gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2, waiting=None,
+        gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2, waiting=None, unchecked=[],
                               run=lambda: failing_events(error))
         return await gw._respond(request, Runs([gen]), ResponseBodies("chat.completion", "m", 1), stream=True,
                                  include_usage=True)

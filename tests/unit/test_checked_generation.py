@@ -40,6 +40,8 @@ class ScriptedSession:
     """The model through a route whose hop lies from `lie_at` on (its outputs are one letter off), until a check
     finds it after the step that made position `found_after`; checks lag `lag` positions behind."""
 
+    unchecked: list = []  # every hop had a checker
+
     def __init__(self, lie_at: int, found_after: int, lag: int):
         self.lie_at, self.found_after, self.lag = lie_at, found_after, lag
         self.length, self.caught, self.failovers, self.waiting = 0, False, [], None

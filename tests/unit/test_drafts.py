@@ -46,6 +46,8 @@ def test_the_draft_length_adapts_and_drafting_pauses_after_misses():
 class CountingSession:
     """The fixed model through one honest hop; counts steps and positions stepped."""
 
+    unchecked: list = []  # every hop had a checker
+
     def __init__(self):
         self.length, self.steps, self.failovers, self.waiting = 0, 0, [], None
 

@@ -205,7 +205,7 @@ def test_a_started_stream_gets_comments_while_it_waits_for_blocks():
     async def run():
         gw = Gateway(ApiConfig(), [ServedModel("m", None, None, None, 128, [2])])
         gw.keepalive_s = 0.05
-        gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2, waiting=None)
+        gen = SimpleNamespace(first_token_s=0.01, prompt_tokens=3, completion_tokens=2, waiting=None, unchecked=[])
 
         async def events():
             yield [Delta(0, "Hel")]
