@@ -17,6 +17,8 @@ reroute the hop's span (the caller then replaces the hop and, in a session, repl
   a failure of the previous hop. A downstream peer that reports mismatches against two different
   upstream peers is suspected of lying itself and banned too (one peer cannot frame honest ones for
   long).
+- A peer whose output no blocks can produce (`WrongOutput`: non-finite, absurd or degenerate values, see
+  `client.inference.hops.implausible`) is banned for long too, like one caught by a replica.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError
+from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError, WrongOutput
 from swarm.span import Span
 from swarm.net.transport import describe_peer
 
@@ -106,7 +108,7 @@ class Attempts:
             self.proven_failures += 1
         else:
             self.unproven_failures += 1
-        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, ChainMismatch) else None)
+        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, (ChainMismatch, WrongOutput)) else None)
         logger.warning("blocks %s at peer %s failed (%s): rerouting", span, describe_peer(peer),
                        err if isinstance(err, SwarmError) else "no reply in time")
         if self.proven_failures > self.policy.max_retries or self.unproven_failures > UNPROVEN_ATTEMPTS:

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from client.inference import peer_session
+from client.inference import hops, peer_session
 from client.config import ClientConfig
 from client.inference.encodings import Encodings, choose_encodings
 from client.inference.failures import FailurePolicy, reason_of
@@ -71,8 +71,10 @@ class PeerState:
 
 
 class SwarmClient:
-    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None):
+    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
+                 floor: float = hops.output_floor()):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
+        self.floor = floor  # the spread under which a hidden vector is degenerate (`hops.implausible`)
         self.digest = digest  # the weights of this client's head: routes only through peers with the same
         self.measurements = Measurements()
         self.bans = Bans(base=config.ban_seconds)

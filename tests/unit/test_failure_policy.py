@@ -10,7 +10,7 @@ import pytest
 from client.inference.failures import LIAR_BAN_S, UNPROVEN_ATTEMPTS, FailurePolicy, retryable
 from client.inference.routing import Bans
 from swarm.errors import (BadRequest, Busy, ChainMismatch, ConnectionLost, NoRoute, OutOfCache, ProtocolError,
-                          StepTimeout, error_from_code)
+                          StepTimeout, WrongOutput, error_from_code)
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -84,3 +84,12 @@ def test_an_altered_push_bans_the_upstream_peer_for_long_and_a_serial_accuser_to
     assert not bans.banned("down")
     p.chain_mismatch("up2", "down")  # the same downstream peer accuses a second upstream peer
     assert bans.banned("down") and bans.reasons["down"] == "suspect"
+
+
+def test_a_wrong_output_bans_its_peer_for_long_and_another_is_tried():
+    p, bans, calls = policy()
+    assert p.attempts("m").failed("liar", SPAN, WrongOutput("zeros")) == "wrong_output"
+    assert calls[-1] == ("liar", "wrong_output", LIAR_BAN_S)
+    bans.succeeded("liar")
+    assert bans.banned("liar")
+
