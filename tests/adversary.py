@@ -9,6 +9,9 @@ Modes:
 - `noisy` (or `noisy:P`): adds noise to every step's output (or to each with probability P), in its replies
   and its pushes alike (a consistent lie that only a recomputation elsewhere can catch), and claims to be
   100 times faster than it is.
+- `zeros`, `constant`, `nan`: every step's and every stateless forward's output is all zeros, has each row
+  constant (at the row's honest RMS, so norms look right and only the spread is gone), or is all NaN: in
+  its replies and its pushes alike.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from peer import capacity, servicer
 from swarm import cli
 from swarm.net import messages
 
-MODES = ("tamper-push", "blackhole", "noisy")
+MODES = ("tamper-push", "blackhole", "noisy", "zeros", "constant", "nan")
+DEGENERATE = {
+    "zeros": torch.zeros_like,
+    "constant": lambda x: (x.pow(2).mean(-1, keepdim=True).sqrt()).expand_as(x).contiguous(),
+    "nan": lambda x: torch.full_like(x, float("nan")),
+}
 
 
 def adversary(mode: str) -> tuple[str, ...]:
@@ -62,6 +70,27 @@ def _noisy(p: float = 1.0) -> None:
     capacity.Capacity.throughput = lambda self, blocks: 100 * speed(self, blocks)
 
 
+def _degenerate(mode: str) -> None:
+    alter = DEGENERATE[mode]
+
+    def altered(hidden: messages.Hidden) -> messages.Hidden:
+        return messages.Hidden.encode(alter(hidden.decode().float()), hidden.encoding)
+
+    original_step = servicer.Servicer._step
+
+    async def step(self, session, msg):
+        output = await original_step(self, session, msg)
+        return dataclasses.replace(output, hidden=altered(output.hidden))
+
+    servicer.Servicer._step = step
+    to_message = messages.Output.to_message
+
+    def forward_reply(self):  # a stateless forward's reply is the one output with no step
+        return to_message(self if self.step is not None else dataclasses.replace(self, hidden=altered(self.hidden)))
+
+    messages.Output.to_message = forward_reply
+
+
 def _blackhole() -> None:
     async def serve_session(self, stream):
         await asyncio.sleep(3600)  # holds the stream, reads nothing, answers nothing
@@ -72,5 +101,8 @@ def _blackhole() -> None:
 if __name__ == "__main__":
     mode, argv = sys.argv[1], sys.argv[2:]
     name, _, arg = mode.partition(":")
-    {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy}[name](*map(float, filter(None, [arg])))
+    if name in DEGENERATE:
+        _degenerate(name)
+    else:
+        {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy}[name](*map(float, filter(None, [arg])))
     sys.exit(cli.main(argv))
