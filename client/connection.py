@@ -68,19 +68,21 @@ async def joined_node(config: ClientConfig, *, settle: bool = True) -> AsyncIter
 
 
 @contextlib.asynccontextmanager
-async def joined(model_id: str, num_blocks: int, config: ClientConfig, *,
-                 settle: bool = True, digest: str | None = None) -> AsyncIterator[SwarmClient]:
-    """A `SwarmClient` for `model_id` (routing only through peers of the weights `digest`, if given) over a
-    fresh client-mode node (`joined_node`), for the block."""
+async def joined(model_id: str, num_blocks: int, config: ClientConfig, *, settle: bool = True,
+                 digest: str | None = None, floor: float | None = None) -> AsyncIterator[SwarmClient]:
+    """A `SwarmClient` for `model_id` (routing only through peers of the weights `digest`, if given; refusing
+    hidden states whose spread is under `floor`, `hops.output_floor`) over a fresh client-mode node
+    (`joined_node`), for the block."""
     async with joined_node(config, settle=settle) as node:
-        yield SwarmClient(node, model_id, num_blocks, config, digest)
+        yield SwarmClient(node, model_id, num_blocks, config, digest, **({} if floor is None else {"floor": floor}))
 
 
 class SwarmConnection:
     """Joins in the background from the moment it is made (the caller loads the head meanwhile); `client`
     waits for the join to finish and raises what it raised."""
 
-    def __init__(self, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None):
+    def __init__(self, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
+                 floor: float | None = None):
         require_peers(config)
         self.config = config
         self._loop = LoopThread("swarm-client")
@@ -89,7 +91,8 @@ class SwarmConnection:
         self._client: SwarmClient | None = None
         settle_heap(config)  # here, before the caller goes on to load the head
         self._joining = asyncio.run_coroutine_threadsafe(
-            self._stack.enter_async_context(joined(model_id, num_blocks, config, settle=False, digest=digest)), self._loop.loop)
+            self._stack.enter_async_context(joined(model_id, num_blocks, config, settle=False, digest=digest,
+                                                floor=floor)), self._loop.loop)
         self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self._stack, self._joining)
 
     @property

@@ -29,6 +29,7 @@ from client.checked import checked_generate
 from client.config import ClientConfig
 from client.connection import SwarmConnection
 from client.inference.forward import forward
+from client.inference.hops import output_floor
 from client.inference.routing import Hop
 from client.inference.session import Failover, InferenceSession
 from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
@@ -200,7 +201,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         model_config = read_config(model)  # the cheap checks; the family's forward runs in `Checkpoint`
         where = Precision.of(config.device, config.dtype)
         connection = SwarmConnection(model_id, num_blocks_of(model_config), config,  # joins while the head loads
-                                     digest=weights.digest)
+                                     digest=weights.digest, floor=output_floor(model_config))
         try:
             ckpt = Checkpoint(model, model_config, source=weights.source)
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)

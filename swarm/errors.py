@@ -100,6 +100,14 @@ class ChainMismatch(SwarmError):
     code = "chain_mismatch"
 
 
+class WrongOutput(SwarmError):
+    """A peer's output is not what its blocks can produce for the input sent (non-finite, absurdly large,
+    or degenerate: zeros, constant rows, norms far below the model's range): it computed something else.
+    Another peer may compute it right; the liar is avoided for long."""
+
+    code = "wrong_output"
+
+
 class Rewound(SwarmError):
     """A session's outputs from `position` on were found wrong (a lying peer, now replaced): the session was
     rolled back there, and its caller goes on from `position` (the tokens after it are recomputed)."""
@@ -155,7 +163,7 @@ class WeightsUnavailable(SwarmError):
 ERROR_CLASSES = {cls.code: cls for cls in (SwarmError, BadRequest, UnsupportedModel, CheckpointError, OutOfCache,
                                            Busy, NotServing, UnknownSession, StepTimeout, ConnectionLost,
                                            ProtocolError, ConfigError, SwarmUnreachable, ChainMismatch,
-                                           Rewound, NoRoute, WeightsUnavailable)}
+                                           WrongOutput, Rewound, NoRoute, WeightsUnavailable)}
 
 
 def error_from_code(code: str, message: str) -> SwarmError:

@@ -11,6 +11,9 @@ Modes:
   100 times faster than it is. Its stateless forwards are honest.
 - `liar`: as `noisy`, and its stateless forwards carry noise too (a lie consistent across every way the
   client can ask it, which only other peers can expose).
+- `zeros`, `constant`, `nan`: every step's and every stateless forward's output is all zeros, has each row
+  constant (at the row's honest RMS, so norms look right and only the spread is gone), or is all NaN: in
+  its replies and its pushes alike.
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ import torch
 
 from peer import capacity, servicer
 from swarm import cli
-from swarm.net import messages, wire
+from swarm.net import messages
 
-MODES = ("tamper-push", "blackhole", "noisy", "liar")
+MODES = ("tamper-push", "blackhole", "noisy", "liar", "zeros", "constant", "nan")
+DEGENERATE = {
+    "zeros": torch.zeros_like,
+    "constant": lambda x: (x.pow(2).mean(-1, keepdim=True).sqrt()).expand_as(x).contiguous(),
+    "nan": lambda x: torch.full_like(x, float("nan")),
+}
 
 
 def adversary(mode: str) -> tuple[str, ...]:
@@ -64,24 +72,38 @@ def _noisy(p: float = 1.0) -> None:
     capacity.Capacity.throughput = lambda self, blocks: 100 * speed(self, blocks)
 
 
+def _forwards(alter) -> None:
+    """Stateless forwards' outputs altered by `alter` (a forward's reply is the one output with no step)."""
+    to_message = messages.Output.to_message
+
+    def forward_reply(self):
+        if self.step is not None:
+            return to_message(self)
+        return to_message(dataclasses.replace(self, hidden=messages.Hidden.encode(
+            alter(self.hidden.decode().float()), self.hidden.encoding)))
+
+    messages.Output.to_message = forward_reply
+
+
 def _liar() -> None:
     _noisy()
-    original = servicer.Servicer._one_request
+    _forwards(lambda x: x + 0.5 * x.abs().mean() * torch.randn_like(x))
 
-    async def one_request(self, stream, handle):
-        async def lying(msg):
-            reply = await handle(msg)
-            if reply.type != wire.OUTPUT:
-                return reply
-            output = messages.Output.from_message(reply)
-            x = output.hidden.decode().float()
-            altered = x + 0.5 * x.abs().mean() * torch.randn_like(x)
-            return dataclasses.replace(output, hidden=messages.Hidden.encode(altered, output.hidden.encoding)) \
-                .to_message()
 
-        return await original(self, stream, lying)
+def _degenerate(mode: str) -> None:
+    alter = DEGENERATE[mode]
 
-    servicer.Servicer._one_request = one_request
+    def altered(hidden: messages.Hidden) -> messages.Hidden:
+        return messages.Hidden.encode(alter(hidden.decode().float()), hidden.encoding)
+
+    original_step = servicer.Servicer._step
+
+    async def step(self, session, msg):
+        output = await original_step(self, session, msg)
+        return dataclasses.replace(output, hidden=altered(output.hidden))
+
+    servicer.Servicer._step = step
+    _forwards(alter)
 
 
 def _blackhole() -> None:
@@ -94,5 +116,9 @@ def _blackhole() -> None:
 if __name__ == "__main__":
     mode, argv = sys.argv[1], sys.argv[2:]
     name, _, arg = mode.partition(":")
-    {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy, "liar": _liar}[name](*map(float, filter(None, [arg])))
+    if name in DEGENERATE:
+        _degenerate(name)
+    else:
+        {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy,
+         "liar": _liar}[name](*map(float, filter(None, [arg])))
     sys.exit(cli.main(argv))

@@ -412,7 +412,8 @@ async def serve(config: ApiConfig, client_config: ClientConfig, models: list, st
         logger.info("loaded %s (%d blocks in the swarm; context %d tokens)", weights.name, loaded[-1].num_blocks,
                     loaded[-1].context_length)
     async with joined_node(client_config) as node:
-        served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config, m.digest))
+        served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config, m.digest,
+                                                         floor=m.floor))
                   for m in loaded]
         gateway = Gateway(config, served)
         try:

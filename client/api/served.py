@@ -18,6 +18,7 @@ from typing import Any
 
 from client.api.requests import CHARS_PER_TOKEN, ApiError, Common, invalid
 from client.config import ApiConfig, ClientConfig
+from client.inference.hops import output_floor
 from swarm.errors import ConfigError
 
 
@@ -34,6 +35,7 @@ class ServedModel:
     num_blocks: int = 0
     path: Path | None = field(default=None, compare=False)
     digest: str | None = None  # the weights of its head: routes only through peers with the same
+    floor: float = output_floor()  # the spread under which its hidden states are degenerate (`hops.output_floor`)
 
     @property
     def vocab_size(self) -> int:
@@ -144,4 +146,4 @@ async def load(weights, config: ApiConfig, client_config: ClientConfig) -> Serve
     end_tokens = stop_token_ids(tokenizer, generation_config)
     await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
     return ServedModel(model_id, None, head, tokenizer, context_length_of(ckpt.config, config.context_length),
-                       end_tokens, ckpt.num_blocks, Path(path), weights.digest)
+                       end_tokens, ckpt.num_blocks, Path(path), weights.digest, output_floor(ckpt.config))

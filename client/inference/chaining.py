@@ -96,7 +96,7 @@ async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torc
         expected = input_digest(position, links[j - 1].session.last_output.hidden, mask_blob) if j else None
         try:
             out = await link.session.receive(steps[j], shape, route.deadline(link, shape[0] * tokens), expected)
-            check_plausible(link.hop, x, out)
+            check_plausible(link.hop, x, out, route.client.floor)
         except ChainMismatch as e:
             # the previous hop pushed something else than it returned: it fails, and its step is redone
             upstream = links[j - 1]

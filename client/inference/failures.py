@@ -22,16 +22,21 @@ reroute the hop's span (the caller then replaces the hop and, in a session, repl
   which is right (`dispute`). Disputes are remembered across sessions:
   a peer that disagreed with two different peers is the liar (two independent honest peers agree), and
   the peers it disputed with are cleared.
+- A peer whose output no blocks can produce (`WrongOutput`: non-finite, absurd or degenerate values, see
+  `client.inference.hops.implausible`) is banned for long too, like one caught by a replica.
+- Waiting for blocks (`SwarmClient.wait_for_route`) is for blocks whose peers left or failed for a while;
+  blocks whose only peers were caught lying have nothing to wait for (`caught_lying`): that ends the
+  request at once with a `NoRoute` that names them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError
+from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError, WrongOutput
 from swarm.span import Span
 from swarm.net.transport import describe_peer
 
@@ -39,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 UNPROVEN_ATTEMPTS = 64  # failures of peers that never served this client, per request, on top of max_retries
 LIAR_BAN_S = 3600.0  # a peer caught altering what it passes on is avoided this long
+LIES = {"wrong_output": "returned wrong outputs", "chain_mismatch": "altered what it passed on",
+        "suspect": "accused honest peers"}  # the reasons of a liar's ban, as a user reads them
 
 
 def retryable(err: BaseException) -> bool:
@@ -48,6 +55,21 @@ def retryable(err: BaseException) -> bool:
 
 def reason_of(err: BaseException) -> str:
     return err.code if isinstance(err, SwarmError) else "timeout"
+
+
+def caught_lying(missing: Sequence[int], offers: Iterable, bans) -> dict[str, str]:
+    """The peers serving the `missing` blocks, each with what it was caught at (`LIES`), if every one of them is
+    banned as a liar and each missing block has one; else {}. Then no peer that may serve them honestly is
+    known, and waiting for one of those to come back is pointless (they are banned for an hour): the caller
+    fails at once. A block with no peer at all (its peer left) or a peer banned for a while (a timeout) is
+    worth a wait. `offers`: what `routing.Offer` holds (peer, span); `bans`: `routing.Bans`."""
+    covering = [o for o in offers if any(o.span.start <= b < o.span.end for b in missing)]
+    if not missing or any(not any(o.span.start <= b < o.span.end for o in covering) for b in missing):
+        return {}
+    liars = {o.peer: bans.reasons.get(o.peer, "") for o in covering}
+    if not all(bans.banned(p) and reason in LIES for p, reason in liars.items()):
+        return {}
+    return {p: LIES[reason] for p, reason in liars.items()}
 
 
 @dataclass
@@ -132,7 +154,7 @@ class Attempts:
             self.proven_failures += 1
         else:
             self.unproven_failures += 1
-        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, ChainMismatch) else None)
+        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, (ChainMismatch, WrongOutput)) else None)
         logger.warning("blocks %s at peer %s failed (%s): rerouting", span, describe_peer(peer),
                        err if isinstance(err, SwarmError) else "no reply in time")
         if self.proven_failures > self.policy.max_retries or self.unproven_failures > UNPROVEN_ATTEMPTS:

@@ -1,6 +1,6 @@
 """Per-hop pieces of a session's route (`client.inference.route`): a link (a hop of the route and the
 session there), what was sent into a hop (for exact replay onto a new peer), whether a hop's peer became
-slow, and the free sanity check of a hop's output. Synchronous, no network."""
+slow, and the free sanity check of a hop's output (`implausible`). Synchronous, no network."""
 
 from __future__ import annotations
 
@@ -13,25 +13,70 @@ import torch
 
 from client.inference.peer_session import PeerSession
 from client.inference.routing import Hop
-from swarm.errors import BadRequest, ProtocolError
+from swarm.errors import BadRequest, WrongOutput
+from swarm.net.transport import describe_peer
 
 IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
 MAX_GROWTH = 1e5  # a span's output vector is at most this many times its input's norm (plus 1); real blocks grow
 # activations by up to a few thousand times (the massive activations of a sequence's first positions)
+MAX_SHRINK = 1e-3  # a span's output spread (below the model's floor) is at least this fraction of its input's
+DEFAULT_EPS = 1e-6  # the norm epsilon assumed for callers that have no config (Llama 3, Qwen, Gemma use it)
+NORM_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 
 
-def check_plausible(hop: Hop, x: torch.Tensor, out: torch.Tensor) -> None:
-    if not plausible(x, out):
-        raise ProtocolError(f"peer {hop.peer} returned implausible hidden states for blocks {hop.span} (non-finite, "
-                            "or norms far beyond what blocks produce)")
+def output_floor(config=None) -> float:
+    """The spread (standard deviation over the hidden dimension) below which a hidden vector is degenerate
+    for this model: sqrt(eps) of its normalization layers. Every block and the LM head begin with a norm
+    that divides by sqrt(mean(x^2) + eps) (RMSNorm) or sqrt(var(x) + eps) (LayerNorm): a vector whose
+    spread is below sqrt(eps) is mostly epsilon to them, and a constant vector (spread 0) carries nothing
+    LayerNorm can see. `config`: the model's (its text config is read where nested); None: `DEFAULT_EPS`."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for key in NORM_EPS_KEYS:
+        eps = getattr(text, key, None)
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0:
+            return float(eps) ** 0.5
+    return DEFAULT_EPS ** 0.5
 
 
-def plausible(x: torch.Tensor, out: torch.Tensor) -> bool:
-    """A free sanity check of a hop's output against its input, on every step: finite, and no vector's norm
-    far beyond what blocks can produce. It catches absurd outputs, not subtle ones (`client.inference.verify` does)."""
+def check_plausible(hop: Hop, x: torch.Tensor, out: torch.Tensor, floor: float = DEFAULT_EPS ** 0.5) -> None:
+    """`WrongOutput` if the hop's output is not one its blocks can produce (`implausible`)."""
+    why = implausible(x, out, floor)
+    if why is not None:
+        raise WrongOutput(f"peer {describe_peer(hop.peer)} returned wrong outputs for blocks {hop.span}: {why}")
+
+
+def plausible(x: torch.Tensor, out: torch.Tensor, floor: float = DEFAULT_EPS ** 0.5) -> bool:
+    return implausible(x, out, floor) is None
+
+
+def implausible(x: torch.Tensor, out: torch.Tensor, floor: float = DEFAULT_EPS ** 0.5) -> str | None:
+    """Why a hop's output `out` cannot be what blocks compute from `x` (both [batch, tokens, hidden]); None if
+    it can. A free check on every step, row by row (one row: one position's hidden vector):
+
+    - every value finite, and no row's norm above `MAX_GROWTH` times its input's (plus 1);
+    - no row degenerate: its spread (std over the hidden dimension) below `floor` (`output_floor`: sqrt of
+      the model's norm epsilon) and also below `MAX_SHRINK` times its input's spread. All zeros and constant
+      rows have spread 0. Both bounds must fail, so an input that is degenerate itself (a zero embedding of
+      a padding token, whose honest output is zeros too) is never held against the peer.
+
+    Margins measured on honest outputs of every span [a:b) (float32, prompts and greedy decode steps):
+    the demo model (SmolLM2-135M, eps 1e-5) keeps every row's spread at least 378 times the floor and at
+    least 0.138 of its input's (so 138 times `MAX_SHRINK`), and grows it 11,400 times at most; the tiny
+    families of `tests/tiny_models.py` and eight of `tests/family_harness.py` (gpt_neox, falcon, olmo2,
+    starcoder2, stablelm, gemma2, granite, cohere: RMSNorm and LayerNorm alike) keep every row above 980
+    times at least one of the two bounds. It catches absurd outputs, not subtle ones (`client.inference.verify`
+    does)."""
     if not bool(torch.isfinite(out).all()):
-        return False
-    return bool((out.float().norm(dim=-1) <= MAX_GROWTH * (x.float().norm(dim=-1) + 1)).all())
+        return "non-finite values"
+    x, out = x.float(), out.float()
+    if not bool((out.norm(dim=-1) <= MAX_GROWTH * (x.norm(dim=-1) + 1)).all()):
+        return f"norms over {MAX_GROWTH:g} times their input's"
+    spread = out.std(dim=-1, unbiased=False)
+    degenerate = (spread < floor) & (spread < MAX_SHRINK * x.std(dim=-1, unbiased=False))
+    if bool(degenerate.any()):
+        return (f"{int(degenerate.sum())} of {degenerate.numel()} hidden vectors degenerate (zeros or constant: "
+                f"spread under {floor:.2g}, the model's floor, and under {MAX_SHRINK:g} of their input's)")
+    return None
 
 
 class SlowDetector:

@@ -102,7 +102,7 @@ async def pipeline(route: Route, x: torch.Tensor, position: int, mask: torch.Ten
                 timeout = route.deadline(link, x.shape[0] * end)
                 out = await link.session.receive(step, (x.shape[0], end - start, x.shape[2]),
                                                  max(0.0, sent_at[c] + timeout - time.monotonic()))
-                check_plausible(link.hop, inputs[i][c], out)
+                check_plausible(link.hop, inputs[i][c], out, route.client.floor)
                 queues[i + 1].put_nowait(out)
         finally:
             sender.cancel()

@@ -216,7 +216,7 @@ class Route:
         started = time.perf_counter()
         out = await asyncio.wait_for(link.session.step(x, position, mask, encoding),
                                      self.deadline(link, x.shape[0] * tokens))
-        check_plausible(hop, x, out)
+        check_plausible(hop, x, out, self.client.floor)
         self.observe(link, (time.perf_counter() - started) * 1e3, tokens)
         return out
 

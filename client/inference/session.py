@@ -258,9 +258,11 @@ class InferenceSession:
                        encoding: str = "float32") -> torch.Tensor:
         """Output of link `i` for `x`, replacing the link (and replaying) until a peer succeeds. `failed`: the
         link's peer already failed this step (in a chained step that began at `began`), handled as if the
-        first attempt here had."""
+        first attempt here had. Waits for blocks share one `wait_for_blocks` per step: a peer that comes back
+        and fails again is not waited for anew."""
         live = self.live
         began = time.perf_counter() if began is None else began
+        waited = 0.0  # seconds this step has waited for blocks so far
         failure: tuple[str, str, object] | None = None
         new_hops: tuple[str, ...] = ()
         attempts: Attempts = self.client.failures.attempts(self.client.model_id)
@@ -290,7 +292,9 @@ class InferenceSession:
                 attempts.failed(link.hop.peer, link.hop.span, e, opening=link.session is None)  # raises: give up
                 live.close_in_background(link)
                 failure = failure or (link.hop.peer, reason, link.hop.span)
-                new_hops = await self._replace(i, exclude=self.avoid)
+                before = time.monotonic()
+                new_hops = await self._replace(i, exclude=self.avoid, wait_s=self.config.wait_for_blocks - waited)
+                waited += time.monotonic() - before if self.waited_at >= before else 0.0
                 continue
             link.reopened = False  # a later idle pause may reopen it again
             if failure is not None:
@@ -298,16 +302,19 @@ class InferenceSession:
                                                time.perf_counter() - began))
             return out
 
-    async def _replace(self, i: int, exclude: set[str], wait: bool = True) -> tuple[str, ...]:
+    async def _replace(self, i: int, exclude: set[str], wait: bool = True,
+                       wait_s: float | None = None) -> tuple[str, ...]:
         """Put a new chain in place of link `i` (its sessions open at first use); the new hops, as text. With
-        `wait`, blocks that have no live peer are waited for (`wait_for_blocks`)."""
+        `wait`, blocks that have no live peer are waited for (`wait_s` seconds at most, default
+        `wait_for_blocks`)."""
         old = self.live.links[i].hop
         cache_tokens, avoid = self.live.cache_tokens, frozenset(exclude)
         prefer = self.client.offer(old.peer).format  # keep the span's weight format if it can
         if wait:
             try:
                 hops = await self.client.wait_for_route(old.span, cache_tokens=cache_tokens, exclude=avoid,
-                                                        rng=self.rng, on_wait=self._waiting_for, prefer=prefer)
+                                                        rng=self.rng, on_wait=self._waiting_for, prefer=prefer,
+                                                        seconds=wait_s)
             finally:
                 self.waiting = None
         else:

@@ -25,10 +25,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from client.inference import peer_session
+from client.inference import hops, peer_session
 from client.config import ClientConfig
 from client.inference.encodings import Encodings, choose_encodings
-from client.inference.failures import FailurePolicy, reason_of
+from client.inference.failures import FailurePolicy, caught_lying, reason_of
 from client.inference.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
 from swarm.net import discovery, view
@@ -71,8 +71,10 @@ class PeerState:
 
 
 class SwarmClient:
-    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None):
+    def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
+                 floor: float = hops.output_floor()):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
+        self.floor = floor  # the spread under which a hidden vector is degenerate (`hops.implausible`)
         self.digest = digest  # the weights of this client's head: routes only through peers with the same
         self.measurements = Measurements()
         self.bans = Bans(base=config.ban_seconds)
@@ -223,19 +225,26 @@ class SwarmClient:
     async def wait_for_route(self, span: Span, *, cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
                              rng: random.Random | None = None, on_wait: Callable[[str], None] | None = None,
                              prefer: str | None = None, clock: Callable[[], float] = time.monotonic,
-                             sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> list[Hop]:
+                             sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                             seconds: float | None = None) -> list[Hop]:
         """`route`, but while some blocks have no live peer, ask again about once a second (each time
-        re-reading the view and giving banned peers their second chance), for up to `wait_for_blocks`
-        seconds; `on_wait(message)` is called once when the wait begins. Then `NoRoute`, saying how long
-        it waited."""
+        re-reading the view and giving banned peers their second chance), for up to `seconds` (default:
+        `wait_for_blocks`; what is left of it for a step that waited already); `on_wait(message)` is called
+        once when the wait begins. Then `NoRoute`, saying how long it waited. No wait where the blocks' only
+        peers were caught lying (`failures.caught_lying`): `NoRoute` at once, naming them."""
         try:
             return await self.route(span, cache_tokens=cache_tokens, exclude=exclude, rng=rng, prefer=prefer)
         except NoRoute as e:
-            if self.config.wait_for_blocks <= 0:
+            if liars := caught_lying(e.missing, self.offers.values(), self.bans):
+                raise NoRoute(f"no honest peer serves blocks {ranges_text(e.missing)} of {self.model_id}: "
+                              + "; ".join(f"peer {describe_peer(p)} {what}" for p, what in sorted(liars.items())),
+                              e.missing) from None
+            seconds = self.config.wait_for_blocks if seconds is None else seconds
+            if seconds <= 0:
                 raise
             last = e
-        wait = BlockWait(self.config.wait_for_blocks, clock=clock)
-        message = (f"waiting up to {self.config.wait_for_blocks:g} s for blocks {ranges_text(last.missing)} of "
+        wait = BlockWait(seconds, clock=clock)
+        message = (f"waiting up to {seconds:.3g} s for blocks {ranges_text(last.missing)} of "
                    f"{self.model_id} to be served again...")
         logger.info("%s", message)
         if on_wait is not None:

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from client.inference.failures import LIAR_BAN_S, UNPROVEN_ATTEMPTS, FailurePolicy, retryable
-from client.inference.routing import Bans
+from client.inference.failures import LIAR_BAN_S, UNPROVEN_ATTEMPTS, FailurePolicy, caught_lying, retryable
+from client.inference.routing import Bans, Offer
 from swarm.errors import (BadRequest, Busy, ChainMismatch, ConnectionLost, NoRoute, OutOfCache, ProtocolError,
-                          StepTimeout, error_from_code)
+                          StepTimeout, WrongOutput, error_from_code)
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -84,3 +84,23 @@ def test_an_altered_push_bans_the_upstream_peer_for_long_and_a_serial_accuser_to
     assert not bans.banned("down")
     p.chain_mismatch("up2", "down")  # the same downstream peer accuses a second upstream peer
     assert bans.banned("down") and bans.reasons["down"] == "suspect"
+
+
+def test_a_wrong_output_bans_its_peer_for_long_and_another_is_tried():
+    p, bans, calls = policy()
+    assert p.attempts("m").failed("liar", SPAN, WrongOutput("zeros")) == "wrong_output"
+    assert calls[-1] == ("liar", "wrong_output", LIAR_BAN_S)
+    bans.succeeded("liar")
+    assert bans.banned("liar")
+
+
+def test_blocks_served_only_by_liars_have_nothing_to_wait_for():
+    p, bans, _ = policy()
+    offers = [Offer("a", Span(0, 3)), Offer("b", Span(3, 6))]
+    assert caught_lying((3, 4, 5), offers, bans) == {}  # not banned: no reason to give up
+    p.attempts("m").failed("b", Span(3, 6), WrongOutput("zeros"))
+    assert caught_lying((3, 4, 5), offers, bans) == {"b": "returned wrong outputs"}
+    assert caught_lying((5, 6), offers, bans) == {}  # block 6 has no peer at all: one may come
+    slow = offers + [Offer("c", Span(4, 6))]
+    p.attempts("m").failed("c", Span(4, 6), StepTimeout())
+    assert caught_lying((3, 4, 5), slow, bans) == {}  # a peer that timed out may come back

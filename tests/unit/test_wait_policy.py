@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
+import torch
 
 from client.api.gateway import Gateway
 from client.api.served import ServedModel
@@ -23,7 +24,7 @@ from client.inference.session import InferenceSession
 from client.inference.swarm_client import SwarmClient
 from swarm import http
 from swarm.config import add_options, from_args
-from swarm.errors import ConfigError, NoRoute
+from swarm.errors import ConfigError, NoRoute, StepTimeout
 from swarm.span import Span
 
 pytestmark = pytest.mark.unit
@@ -82,11 +83,31 @@ def test_gives_up_after_the_wait_with_the_same_clear_error():
     assert 5 <= len(calls) <= 7 and clock.t == pytest.approx(5.2)  # the last try at the deadline
 
 
+def test_a_wait_takes_the_seconds_it_is_given():
+    clock = FakeTime(try_s=0.1)
+    client, calls = client_with([GONE], wait=30, clock=clock)
+    with pytest.raises(NoRoute, match=r"waited 2\.1 s"):
+        asyncio.run(client.wait_for_route(Span(3, 6), clock=clock, sleep=clock.sleep, seconds=2.0))
+    with pytest.raises(NoRoute) as e:
+        asyncio.run(client.wait_for_route(Span(3, 6), on_wait=pytest.fail, seconds=0.0))  # none left: at once
+    assert e.value is GONE
+
+
 def test_no_wait_fails_at_once():
     client, calls = client_with([GONE], wait=0)
     with pytest.raises(NoRoute) as e:
         asyncio.run(client.wait_for_route(Span(3, 6), on_wait=pytest.fail))
     assert e.value is GONE and len(calls) == 1
+
+
+def test_blocks_whose_only_peer_lied_fail_at_once_naming_it():
+    client, calls = client_with([GONE], wait=30)
+    client.offers = {"12D3KooWliarXYZ9": Offer("12D3KooWliarXYZ9", Span(3, 6))}
+    client.ban("12D3KooWliarXYZ9", "wrong_output", 3600.0)
+    with pytest.raises(NoRoute, match=r"no honest peer serves blocks \[3:6\) of m: peer \S*XYZ9 returned wrong "
+                       r"outputs") as e:
+        asyncio.run(client.wait_for_route(Span(3, 6), on_wait=pytest.fail))
+    assert e.value.missing == (3, 4, 5) and len(calls) == 1
 
 
 def test_options_are_derived_and_checked():
@@ -130,6 +151,36 @@ def test_a_session_waiting_for_blocks_says_so_and_waiting_is_not_a_retry():
     assert seen[0] is None and seen[1:] == notices and len(notices) == 1  # 'waiting' while it waits, then None
     assert session.waiting is None
     assert client.own_load == {"b": 1}  # the replaced hop's load went with it
+
+
+
+def test_a_step_waits_for_blocks_once_whatever_its_peer_does_after():
+    """A peer that is served again and fails again does not get the step a second full wait: the waits of one
+    step share `wait_for_blocks`."""
+    async def run():
+        client = view(wait_for_blocks=5.0)
+        session = InferenceSession(client, 16)
+        session.live.batch, session.live.links = 1, session.live.adopt([Hop("a", Span(0, 6))])
+        asked = []
+
+        async def wait_for_route(span, *, on_wait=None, seconds=None, **kw):
+            asked.append(seconds)
+            on_wait("waiting for blocks [0:6)")
+            await asyncio.sleep(0.2)
+            if len(asked) == 3:
+                raise GONE
+            return [Hop("a", Span(0, 6))]  # it came back
+
+        async def open_session(link, position, mask):
+            raise StepTimeout("it never opens")
+
+        client.wait_for_route, session.live.open = wait_for_route, open_session
+        with pytest.raises(NoRoute):
+            await session._through(0, torch.zeros(1, 1, 8), 0, None)
+        return asked
+
+    asked = asyncio.run(run())
+    assert asked[0] == 5.0 and asked[0] - 0.45 < asked[1] < asked[0] - 0.15 and asked[2] < asked[1] - 0.15
 
 
 def test_load_of_concurrent_sessions_is_counted_and_released():
