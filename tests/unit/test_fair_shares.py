@@ -177,6 +177,60 @@ def test_a_client_with_long_jobs_queued_does_not_hold_back_another():
     assert order == ["honest0", "peer", "honest1", "hog0", "hog1", "hog2"]
 
 
+def test_a_light_client_waits_for_one_job_however_many_clients_flood():
+    """A session's step beside flooding clients (each always has a job queued): it comes back at the level of
+    the client served last, less the credit, so it runs right after the job running, not after one job of
+    every flooder at that level (which it did when a returning client started exactly at that level)."""
+    flooders = [f"stranger{i}" for i in range(6)]
+    order = []
+
+    def job(name, seconds):
+        time.sleep(seconds)
+        order.append(name)
+
+    async def main(rt):
+        for _ in range(2):  # the flooders are charged alike, and the honest client for its short step
+            await asyncio.gather(*(rt.run(job, c, 0.01, client=c) for c in flooders))
+            await rt.run(job, HONEST, 0.001, client=HONEST)
+        gate = Gate()
+        running = asyncio.create_task(rt.run(gate, client=flooders[0]))  # a flooder's job holds the worker
+        await gate.wait_started()
+        jobs = [asyncio.create_task(rt.run(job, c, 0.001, client=c)) for c in flooders]
+        await asyncio.sleep(0.01)
+        jobs.append(asyncio.create_task(rt.run(job, HONEST, 0.001, client=HONEST)))
+        await asyncio.sleep(0.01)
+        order.clear()
+        gate.release.set()
+        await asyncio.gather(running, *jobs)
+
+    with Runtime() as rt:
+        asyncio.run(main(rt))
+    assert order[0] == HONEST
+
+
+def test_idle_time_is_made_up_for_only_up_to_the_credit():
+    """A client back from idling starts `idle_credit` below the client served last, whatever it used before;
+    a client above that floor keeps its figure between its jobs (a flooder's parts gain nothing)."""
+    async def main(rt):
+        await rt.run(time.sleep, 0.001, client=HONEST)  # then idle while the hog works
+        for _ in range(10):
+            await rt.run(time.sleep, 0.02, client=HOG)
+        assert HONEST not in rt._used  # at the floor or below: forgotten
+        hog = rt._used[HOG]
+        gate = Gate()
+        running = asyncio.create_task(rt.run(gate, client=THIRD))
+        await gate.wait_started()
+        jobs = [asyncio.create_task(rt.run(time.sleep, 0.001, client=c)) for c in (HONEST, HOG)]
+        await asyncio.sleep(0.01)
+        assert rt._used[HONEST] == pytest.approx(rt._served - 0.05)
+        assert rt._used[HOG] == hog  # above the floor: its own figure, no credit
+        gate.release.set()
+        await asyncio.gather(running, *jobs)
+
+    with Runtime(idle_credit=0.05) as rt:
+        asyncio.run(main(rt))
+
+
 def test_batches_gather_across_clients_and_charge_each_by_rows():
     gate, calls = Gate(), []
 
@@ -196,7 +250,7 @@ def test_batches_gather_across_clients_and_charge_each_by_rows():
 
     with Runtime() as rt:
         assert asyncio.run(main(rt)) == ["a", "b"]
-        used = dict(rt._used)
+        used = {client: figure - rt._floor for client, figure in rt._used.items()}  # both started at the floor
     assert calls == [["a", "b"]]
     assert used[HOG] == pytest.approx(3 * used[HONEST])
 
