@@ -125,6 +125,7 @@ def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat:
     the model accepts), greedy or sampled with the same tokens as without drafts."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from client.checked import unchecked_text
     from client.generation import Generation, stop_token_ids
     from client.sampling import Sampling
 
@@ -159,7 +160,14 @@ def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat:
     decode = times[-1] - times[0] if tokens > 1 else 0.0
     return {"tokens": tokens, "ttft_s": times[0] - started if tokens else None,
             "tokens_per_s": (tokens - 1) / decode if decode > 0 else 0.0, "drafted": gen.drafted,
-            "accepted": gen.accepted}
+            "accepted": gen.accepted, "unchecked": unchecked_text(gen.unchecked)}
+
+
+def unchecked_note(stats: dict) -> str | None:
+    """What a command says of the blocks no other peer could check (`client.checked`), if any."""
+    from client.checked import unchecked_message
+
+    return unchecked_message(stats["unchecked"]) if stats["unchecked"] else None
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -197,6 +205,8 @@ def run_generate(args: argparse.Namespace) -> int:
     drafts = f", {stats['accepted']} of {stats['drafted']} drafted tokens kept" if stats["drafted"] else ""
     print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s{drafts}",
           file=sys.stderr)
+    if note := unchecked_note(stats):
+        print(f"[generate] {note}", file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from client.cli import describe_route, model_path, stream_answer
+from client.cli import describe_route, model_path, stream_answer, unchecked_note
 from swarm.errors import ConfigError
 from swarm.local.launch import LocalSwarm
 from swarm.span import Span, split_evenly
@@ -105,6 +105,8 @@ def run_demo(args: argparse.Namespace) -> int:
             ttft = "-" if stats["ttft_s"] is None else f"{stats['ttft_s'] * 1000:.0f} ms"
             log(f"{stats['tokens']} tokens through {args.peers} peers; first token after {ttft}; "
                 f"decode {stats['tokens_per_s']:.1f} tokens/s")
+            if note := unchecked_note(stats):
+                log(note)
         except BaseException:
             for proc in net.procs.values():
                 log(f"--- last lines of {proc.name}'s log ---\n" + "\n".join(proc.text().splitlines()[-15:]))
