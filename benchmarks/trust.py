@@ -259,10 +259,12 @@ def honest_tokens(net: LocalSwarm, path: Path, ids: torch.Tensor, count: int) ->
     from transformers import AutoModelForCausalLM
 
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = local.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, min_new_tokens=count,
-                             do_sample=False, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+    tokens = []
+    with torch.inference_mode():  # argmax at every step, as `steps_until_convicted` takes it (past an end token too)
+        for _ in range(count):
+            tokens.append(int(local(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], 1)
+    return tokens
 
 
 def steps_until_caught(model, ids: torch.Tensor, max_steps: int) -> int | None:

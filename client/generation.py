@@ -147,7 +147,7 @@ class Generation:
                         if s.prompt_logprobs and position < prompt:
                             hidden = await self._in_pool(self.head.embed, ids, position)
                             out = await session.step(hidden, position)
-                            self.unchecked = session.unchecked
+                            self._note_unchecked(session)
                             await self._in_pool(self._score_prompt, out, position)
                         await session.verify()
                         for c in self.choices:
@@ -160,7 +160,7 @@ class Generation:
                         feed = torch.cat([ids, torch.tensor([drafts], dtype=torch.int64)], 1) if drafts else ids
                         hidden = await self._in_pool(self.head.embed, feed, position)
                         out = await session.step(hidden, position)
-                        self.unchecked = session.unchecked
+                        self._note_unchecked(session)
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
                         if drafts:  # the token chosen at each fed position, up to the first draft it differs from
@@ -181,11 +181,14 @@ class Generation:
                             saved[:self.released] = [None] * self.released  # never rewound to: released
                             yield out_now
                     await session.verify()  # everything, before the last deltas go out
-                    self.unchecked = session.unchecked
+                    self._note_unchecked(session)
                     yield self._release(pending, len(made), len(made))
                     return
                 except Rewound as e:
                     keep = max(0, e.position - prompt + 1)  # tokens made from outputs before the wrong one
+                    if keep < self.released:  # given out as unchecked (no checker then), found wrong since
+                        raise SwarmError(f"{e}; tokens already given out were made from it (their blocks had no "
+                                         "other peer to check them then)") from None
                     del made[keep:], saved[keep + 1:], pending[keep - self.released:]
                     self._restore(sampler, saved[keep])
                     position = e.position
@@ -197,6 +200,10 @@ class Generation:
             # closed in a task of its own: it completes even if this one is being cancelled, and the
             # response need not wait for it (the owner may wait for `closing` before shutting down)
             self.closing = asyncio.ensure_future(session.close())
+
+    def _note_unchecked(self, session: InferenceSession) -> None:
+        """Hops of the route no other peer could check, over the whole generation (one may be replaced later)."""
+        self.unchecked += [hop for hop in session.unchecked if hop not in self.unchecked]
 
     def _score_prompt(self, out: torch.Tensor, position: int) -> None:
         """Log-probabilities of the prompt's tokens after `position` that the outputs `out` [n, t, hidden] of

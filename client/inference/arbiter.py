@@ -5,10 +5,12 @@ peer, or several whose spans together cover S) and compares the outputs. When th
 neither side on its word:
 1. P recomputes each checker's piece (a stateless forward of that piece's inputs, as the checkers computed
    them). P disagreeing with two or more different checkers means two independent peers agree against P:
-   P lied. P agreeing with every piece means its own recomputation contradicts what its session returned
-   (an honest peer computes the same numbers both ways, within the tolerance): P lied.
+   P lied. If P agrees with every piece, P recomputes its whole span: if that contradicts what its session
+   returned (an honest peer computes the same numbers both ways, within the tolerance), P lied; if not,
+   nobody did (the pieces' rounding added up past the tolerance) and the outputs count as checked.
 2. Otherwise P disagrees with exactly one checker c, on c's piece T. A third opinion: another chain of peers
-   for T, neither P nor c, recomputes it, and whichever of P and c it agrees with is right.
+   for T, neither P nor c, recomputes it, and whichever of P and c it agrees with (and the other not) is
+   right; a third that agrees with both or neither settles nothing (step 3).
 3. No third chain exists: a dispute (`FailurePolicy.dispute`). A peer that disputed with two different
    peers is the liar; otherwise the dispute stays open: neither is banned, and the hop's outputs from
    there on are not given out (the session refuses with `Disputed` if nothing settles it).
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Verdict:
-    liar: str | None  # the peer that returned wrong outputs; None: the dispute stays open
+    liar: str | None  # the peer that returned wrong outputs; None: nobody (`other` None) or an open dispute
     other: str | None = None  # the other side of an open dispute
     span: Span | None = None  # the blocks they disagree about
     convicted: bool = True  # False: the liar failed to recompute (a failure, not a proven lie)
@@ -62,24 +64,30 @@ async def recompute(client, hop: Hop, x: torch.Tensor, mask: torch.Tensor | None
 
 
 async def settle(client, primary: str, fmt: str, checkers: list[Hop], inputs: list[torch.Tensor],
-                 outputs: list[torch.Tensor], mask: torch.Tensor | None, tol: float) -> Verdict:
+                 outputs: list[torch.Tensor], claimed: torch.Tensor, mask: torch.Tensor | None,
+                 tol: float) -> Verdict:
     """Who lied, P (`primary`) or one of `checkers` (module docstring). `inputs[j]`, `outputs[j]`: what checker
-    j was given and returned, positions `[0, n)`; `mask`: the attention mask of those positions."""
+    j was given and returned, positions `[0, n)`; `claimed`: what P returned for them; `mask`: the attention
+    mask of those positions."""
     against = []
     for hop, x, want in zip(checkers, inputs, outputs):
-        try:
-            mine = await recompute(client, Hop(primary, hop.span), x, mask)
-        except (asyncio.TimeoutError, SwarmError) as e:
-            client.ban(primary, reason_of(e))
-            logger.info("peer %s could not recompute blocks %s to settle a check (%s)", describe_peer(primary),
-                        hop.span, reason_of(e))
+        mine = await _recompute(client, Hop(primary, hop.span), x, mask)
+        if mine is None:
             return Verdict(primary, convicted=False)
         if disagree(mine, want, tol):
             against.append((hop, x, want, mine))
-    if len({hop.peer for hop, *_ in against}) != 1:
-        why = "its own recomputation" if not against else f"{len(against)} different peers"
-        logger.info("peer %s's outputs contradict %s", describe_peer(primary), why)
+    if len({hop.peer for hop, *_ in against}) > 1:
+        logger.info("peer %s's outputs contradict %d different peers", describe_peer(primary), len(against))
         return Verdict(primary)
+    if not against:
+        whole = Hop(primary, Span(checkers[0].span.start, checkers[-1].span.end))
+        mine = await _recompute(client, whole, inputs[0], mask)
+        if mine is None:
+            return Verdict(primary, convicted=False)
+        if disagree(mine, claimed, tol):
+            logger.info("peer %s's outputs contradict its own recomputation", describe_peer(primary))
+            return Verdict(primary)
+        return Verdict(None)  # everyone agrees piece by piece: rounding, not a lie
     hop, x, want, mine = against[0]
     third = await _third_opinion(client, hop.span, {primary, hop.peer}, fmt, x, mask)
     if third is not None:
@@ -87,9 +95,19 @@ async def settle(client, primary: str, fmt: str, checkers: list[Hop], inputs: li
             return Verdict(primary)
         if not disagree(third, mine, tol) and disagree(third, want, tol):
             return Verdict(hop.peer)
-        return Verdict(primary)  # a third answer that agrees with neither: the hop's output is not believed
     liar = client.failures.dispute(primary, hop.peer)
-    return Verdict(liar, None if liar else hop.peer, hop.span)
+    return Verdict(liar, None if liar else hop.peer, hop.span, convicted=False)
+
+
+async def _recompute(client, hop: Hop, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`recompute` by the hop under suspicion; None if it failed (it is banned as a failed peer)."""
+    try:
+        return await recompute(client, hop, x, mask)
+    except (asyncio.TimeoutError, SwarmError) as e:
+        client.ban(hop.peer, reason_of(e))
+        logger.info("peer %s could not recompute blocks %s to settle a check (%s)", describe_peer(hop.peer),
+                    hop.span, reason_of(e))
+        return None
 
 
 async def _third_opinion(client, span: Span, parties: set[str], fmt: str, x: torch.Tensor,

@@ -230,19 +230,24 @@ class InferenceSession:
         await self._rewind_if_lied(self.length)
 
     async def _rewind_if_lied(self, position: int) -> None:
-        """If a check found a lie: replace the lying hop (it is banned), roll back to its first wrong position
-        and, if the caller wanted to go on past it, raise `Rewound`."""
+        """If a check found a lie: replace the lying hop (it is banned) and any other hop whose peer was found
+        lying meanwhile, roll back to the first wrong position and, if the caller wanted to go on past it,
+        raise `Rewound`."""
         lie = None if self.verifier is None else self.verifier.lie
         if lie is None:
             return
         self.verifier.lie = None
         back = min(lie.position, self.length)
-        for i, link in enumerate(self.live.links):
-            if link.hop.span == lie.span and link.hop.peer == lie.peer:
-                self.live.close_in_background(link)
-                new_hops = await self._replace(i, exclude=self.avoid)  # opened and replayed at the next step
-                self.failovers.append(Failover(str(lie.span), lie.peer, "wrong_output", new_hops, 0.0))
+        convicted = self.client.failures.convicted
+        for _ in range(len(self.live.links) + 1):  # each round replaces one hop; bounded by the route's length
+            i = next((i for i, link in enumerate(self.live.links) if (link.hop.span, link.hop.peer) ==
+                      (lie.span, lie.peer) or link.hop.peer in convicted), None)
+            if i is None:
                 break
+            link = self.live.links[i]
+            self.live.close_in_background(link)
+            new_hops = await self._replace(i, exclude=self.avoid)  # opened and replayed at the next step
+            self.failovers.append(Failover(str(link.hop.span), link.hop.peer, "wrong_output", new_hops, 0.0))
         self.live.truncate(back)
         self.length = back
         self.verifier.rollback(back)
@@ -325,10 +330,10 @@ class InferenceSession:
         return self._swap(i, hops)
 
     def _swap(self, i: int, hops: list[Hop]) -> tuple[str, ...]:
-        span = self.live.links[i].hop.span
+        old = self.live.links[i].hop
         new_hops = self.live.swap(i, hops)
-        if self.verifier is not None:
-            self.verifier.drop(span)  # the new hops are checked afresh
+        if self.verifier is not None:  # the new hops are checked afresh; the old peer's outputs stay at old.span.end
+            self.verifier.replaced(old.span, old.peer, self.length)
         return new_hops
 
     def _waiting_for(self, message: str) -> None:

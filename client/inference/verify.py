@@ -90,6 +90,7 @@ class Shadow:
     outputs: list[Inputs | None]  # each checker's outputs for positions [0, verified) (for settling a mismatch)
     verified: int = 0
     task: asyncio.Task | None = None
+    cut: int = 0  # while a check runs: the lowest length the session was rolled back to since it began
 
     @property
     def peers(self) -> set[str]:
@@ -109,6 +110,9 @@ class Verifier:
         self.shadows: dict[Span, Shadow] = {}
         self.unchecked: dict[Span, str] = {}  # spans no other chain covered when last looked for -> their peer
         self.disputes: dict[Span, Dispute] = {}
+        # outputs a replaced hop left at a boundary (kept, and passed on, while its replacement replays):
+        # boundary -> [(peer, positions it made there: [0, until) past the earlier entries)]
+        self.owners: dict[int, list[tuple[str, int]]] = {}
         self.lie: Lie | None = None
         self.checks = self.chunks_tokens = 0
 
@@ -143,6 +147,7 @@ class Verifier:
                 return None
         if shadow.task is None or shadow.task.done():
             if shadow.verified < length:
+                shadow.cut = length
                 shadow.task = asyncio.create_task(self._check(span, shadow, length))
         return shadow.task
 
@@ -157,7 +162,7 @@ class Verifier:
             return True
         if dispute.primary in self.client.failures.convicted:
             del self.disputes[span]
-            self.lie = Lie(peer, span, dispute.position, float("nan"), dispute.checker)
+            self._found(Lie(peer, span, dispute.position, float("nan"), dispute.checker))
             return False
         return self.client.checkers(span, exclude=self._excluded(peer), fmt=self.client.offer(peer).format) \
             is not None
@@ -166,11 +171,17 @@ class Verifier:
         return {peer} | self.client.failures.disputed(peer)
 
     def _shadow(self, span: Span, peer: str) -> Shadow | None:
-        hops = self.client.checkers(span, exclude=self._excluded(peer), fmt=self.client.offer(peer).format,
+        fmt = self.client.offer(peer).format
+        hops = self.client.checkers(span, exclude=self._excluded(peer), fmt=fmt,
                                     cache_tokens=self.batch * self.max_length, rng=self.rng)
         if hops is None:
             if span in self.disputes:
                 return None  # no one else to ask: the dispute stays open
+            disputed = self.client.failures.disputed(peer)
+            if disputed and self.client.checkers(span, exclude={peer}, fmt=fmt) is not None:
+                # only peers it disputed with could check it: still a dispute, not an unchecked hop
+                self.disputes[span] = Dispute(peer, min(disputed), 0)
+                return None
             if span not in self.unchecked:
                 logger.info("blocks %s have no other peers to check %s against", span, describe_peer(peer))
                 if self.require_checked:
@@ -184,7 +195,8 @@ class Verifier:
         return shadow
 
     async def flush(self, links: list[tuple[Span, str]], length: int) -> None:
-        """Check every hop up to `length` now (and wait for it); `Disputed` if a dispute stays open."""
+        """Check every hop up to `length` now (and wait for it); `Disputed` if a dispute stays open, a
+        `SwarmError` if a hop could not be checked (its checkers kept failing)."""
         if self.fraction <= 0:
             return
         for _ in range(4):  # a check that was running covers less than `length`, or a dispute moved on: again
@@ -200,30 +212,52 @@ class Verifier:
                 raise Disputed(f"peers {describe_peer(peer)} and {describe_peer(dispute.checker)} computed "
                                f"different outputs for blocks {span} from position {dispute.position}, and no "
                                "third peer can tell which is right")
+        for span, peer in links:
+            if self.verified(span, length) < length:
+                raise SwarmError(f"the outputs of peer {describe_peer(peer)} for blocks {span} could not be checked "
+                                 "(its checkers failed)")
+
+    def replaced(self, span: Span, peer: str, length: int) -> None:
+        """The hop over `span` at `peer` was replaced when the session held `length` positions: its outputs there
+        stay at the boundary `span.end` (the next hop computed on them), so a wrong one found later is its."""
+        self.drop(span)
+        if length > 0:
+            self.owners.setdefault(span.end, []).append((peer, length))
+
+    def _owner(self, span: Span, position: int) -> str | None:
+        """The replaced peer whose output is at `span.end`, `position`; None if the hop's own."""
+        return next((peer for peer, until in self.owners.get(span.end, ()) if position < until), None)
 
     def rollback(self, position: int) -> None:
         """The session now holds positions `[0, position)` only."""
         for shadow in self.shadows.values():
             shadow.verified = min(shadow.verified, position)
+            shadow.cut = min(shadow.cut, position)
             for kept in shadow.outputs:
                 if kept is not None:
                     kept.truncate(shadow.verified)
         for span, dispute in list(self.disputes.items()):
             if dispute.position >= position:
                 del self.disputes[span]  # the positions in dispute are gone: checked afresh
+        for boundary, owners in list(self.owners.items()):
+            self.owners[boundary] = [(peer, min(until, position)) for peer, until in owners if min(until, position)]
 
     def drop(self, span: Span) -> None:
+        self.unchecked.pop(span, None)
         shadow = self.shadows.pop(span, None)
         if shadow is not None:
             self._end(shadow)
 
     async def close(self) -> None:
         shadows, self.shadows = list(self.shadows.values()), {}
+        opened = [(hop.peer, session) for s in shadows for hop, session in zip(s.hops, s.sessions)
+                  if session is not None]
         for shadow in shadows:
-            self._end(shadow)
+            shadow.sessions = [None] * len(shadow.hops)  # closed below, not in the background
+            if shadow.task is not None and not shadow.task.done():
+                shadow.task.cancel()
         await asyncio.gather(*(s.task for s in shadows if s.task is not None), return_exceptions=True)
-        await asyncio.gather(*(self.client.close_session(hop.peer, session) for s in shadows
-                               for hop, session in zip(s.hops, s.sessions) if session is not None))
+        await asyncio.gather(*(self.client.close_session(peer, session) for peer, session in opened))
 
     def _end(self, shadow: Shadow) -> None:
         if shadow.task is not None and not shadow.task.done():
@@ -236,7 +270,7 @@ class Verifier:
     async def _through(self, shadow: Shadow, x: torch.Tensor, start: int,
                        mask: torch.Tensor | None) -> list[torch.Tensor]:
         """`x` (positions from `start`) through the shadow's chain: each checker's output. A checker that fails
-        is banned and dropped with its shadow (`CheckerFailed`)."""
+        is banned (`CheckerFailed`)."""
         outs = []
         for i, hop in enumerate(shadow.hops):
             try:
@@ -256,6 +290,10 @@ class Verifier:
         return outs
 
     async def _check(self, span: Span, shadow: Shadow, length: int) -> None:
+        """Positions `[verified, length)` of the hop through the shadow's chain, compared. The chunk and its inputs
+        are copied before anything is awaited: a rollback meanwhile changes the session's buffers from `cut`
+        on, so only positions below `cut` can count as verified, while a mismatch anywhere is judged on the
+        copies (what the hop returned for what it was sent)."""
         views = self.views(span)
         if views is None:
             return
@@ -271,32 +309,54 @@ class Verifier:
             if self.shadows.get(span) is shadow:
                 self.drop(span)
             return
+        if shadow.cut < start or shadow.verified != start:
+            return  # rolled back below the chunk meanwhile: checked afresh next time
         self.checks += 1
         self.chunks_tokens += x.shape[1]
         far = distances(outs[-1], want)
-        tol = tolerance(self.formats(span) + (self.client.offer(shadow.primary).format,))
-        bad = (far > tol).nonzero()
-        if len(bad) == 0:
-            if shadow.verified == start:
-                self._keep(shadow, outs, start)
-                shadow.verified = length
+        first = start + int(bad[0]) if len(bad := (far > self._tolerance(span, shadow, start)).nonzero()) else None
+        if first is None:
+            cut = min(shadow.cut, length)
+            self._keep(shadow, [out[:, :cut - start] for out in outs], start)
+            shadow.verified = cut
+            self._cleared(span, shadow)
             return
-        first = start + int(bad[0])
-        logger.info("blocks %s: peer %s and checkers %s disagree from position %d (off by %.3g, tolerance %.3g)",
-                    span, describe_peer(shadow.primary), ", ".join(describe_peer(p) for p in sorted(shadow.peers)),
-                    first, float(far[first - start]), tol)
+        await self._settle(span, shadow, start, first, x, want, outs, mask, float(far[first - start]))
+
+    def _tolerance(self, span: Span, shadow: Shadow, start: int) -> float:
+        """What honest outputs may differ by here: the formats of the hop, its checkers, the wire, and of the
+        replaced peers whose outputs are still at the hop's end."""
+        owners = tuple(self.client.offer(p).format for p, until in self.owners.get(span.end, ()) if until > start)
+        return tolerance(self.formats(span) + owners + tuple(self.client.offer(p).format for p in shadow.peers))
+
+    async def _settle(self, span: Span, shadow: Shadow, start: int, first: int, x: torch.Tensor, want: torch.Tensor,
+                      outs: list[torch.Tensor], mask: torch.Tensor | None, distance: float) -> None:
+        """A mismatch at `first`: who lied (`client.inference.arbiter`), and what follows."""
         upto = first + 1
+        inputs, outputs, _ = self.views(span) or (None, None, None)
+        if inputs is None:
+            return
+        primary = self._owner(span, first) or shadow.primary  # a replaced peer's output, or the hop's
+        logger.info("blocks %s: peer %s and checkers %s disagree from position %d (off by %.3g)", span,
+                    describe_peer(primary), ", ".join(describe_peer(p) for p in sorted(shadow.peers)), first, distance)
         piece_inputs = [torch.cat([inputs[:, :start], x], 1)[:, :upto]]
         piece_outputs = []
         for kept, out in zip(shadow.outputs, outs):
             before = kept.view()[:, :start] if kept is not None and start else out[:, :0]
             piece_outputs.append(torch.cat([before, out], 1)[:, :upto])
         piece_inputs += piece_outputs[:-1]
-        verdict = await settle(self.client, shadow.primary, self.client.offer(shadow.primary).format, shadow.hops,
-                               piece_inputs, piece_outputs, None if mask is None else mask[:, :upto], tol)
+        claimed = torch.cat([outputs[:, :start], want], 1)[:, :upto]
+        tol = self._tolerance(span, shadow, start)
+        verdict = await settle(self.client, primary, self.client.offer(primary).format, shadow.hops, piece_inputs,
+                               piece_outputs, claimed, None if mask is None else mask[:, :upto], tol)
+        if verdict.liar is None and verdict.other is None and shadow.verified == start and shadow.cut >= upto:
+            # rounding: every piece agreed with the hop's own recomputation up to `first`; on from there
+            self._keep(shadow, [out[:, :upto - start] for out in outs], start)
+            shadow.verified = upto
+            return
         if self.shadows.get(span) is shadow:
             self.drop(span)
-        self._judge(span, shadow.primary, verdict, first, float(far[first - start]), shadow)
+        self._judge(span, primary, verdict, first, distance, shadow)
 
     def _judge(self, span: Span, primary: str, verdict: Verdict, first: int, distance: float,
                shadow: Shadow) -> None:
@@ -306,17 +366,35 @@ class Verifier:
                 self.client.failures.convict(primary)
             logger.warning("peer %s returned wrong outputs for blocks %s at position %d (off by %.3g, checked "
                            "at %s)", describe_peer(primary), span, first, distance, checker)
-            self.lie = Lie(primary, span, first, distance, checker)
+            self._found(Lie(primary, span, first, distance, checker))
         elif verdict.liar is not None:
             if verdict.convicted:
                 self.client.failures.convict(verdict.liar)
             logger.warning("peer %s returned wrong outputs while checking blocks %s of peer %s: other checkers "
                            "next", describe_peer(verdict.liar), span, describe_peer(primary))
-        else:
+        elif verdict.other is not None:
             logger.warning("peers %s and %s disagree about blocks %s from position %d, and no third peer can "
                            "tell which is right", describe_peer(primary), describe_peer(verdict.other),
                            verdict.span, first)
-            self.disputes[span] = Dispute(primary, verdict.other, first)
+            self.disputes[span] = Dispute(shadow.primary, verdict.other, first)
+        else:
+            logger.info("blocks %s: the difference at position %d is rounding (every piece agrees)", span, first)
+
+    def _found(self, lie: Lie) -> None:
+        """Keep the earliest lie found (the session rolls back to it; later ones are found again after it)."""
+        if self.lie is None or lie.position < self.lie.position:
+            self.lie = lie
+
+    def _cleared(self, span: Span, shadow: Shadow) -> None:
+        """A check agreed: a dispute about the hop up to there is settled against its accuser, whom another
+        chain of peers contradicted."""
+        dispute = self.disputes.get(span)
+        if dispute is not None and dispute.primary == shadow.primary and shadow.verified > dispute.position:
+            del self.disputes[span]
+            logger.warning("peer %s's dispute with peer %s about blocks %s was settled by peers %s: it lied",
+                           describe_peer(dispute.checker), describe_peer(dispute.primary), span,
+                           ", ".join(describe_peer(p) for p in sorted(shadow.peers)))
+            self.client.failures.convict(dispute.checker)
 
     def _keep(self, shadow: Shadow, outs: list[torch.Tensor], start: int) -> None:
         for i, out in enumerate(outs):

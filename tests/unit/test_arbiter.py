@@ -24,8 +24,10 @@ class Swarm:
     """Who serves what (`spans`), who lies in forwards (`liars`), who fails (`failing`); the client's side:
     `checkers`, `failures`, `ban`."""
 
-    def __init__(self, spans: dict[str, Span], liars: set[str] = frozenset(), failing: set[str] = frozenset()):
+    def __init__(self, spans: dict[str, Span], liars: set[str] = frozenset(), failing: set[str] = frozenset(),
+                 session_liars: set[str] = frozenset()):
         self.spans, self.liars, self.failing = spans, set(liars), set(failing)
+        self.session_liars = set(session_liars) | self.liars  # they lie in sessions (the outputs checked)
         self.banned: list[tuple[str, str]] = []
         self.failures = FailurePolicy(lambda peer, reason, seconds=None: self.banned.append((peer, reason)), 8)
 
@@ -53,13 +55,17 @@ def forwards(monkeypatch):
 
 
 def settle(swarm: Swarm, primary: str, checkers: list[Hop]):
-    """A check of `primary` against `checkers` that disagreed: each checker's inputs and outputs as it computed."""
+    """A check of `primary` against `checkers`: each checker's inputs and outputs as it computed, and what the
+    primary's session returned."""
     inputs, outputs, x = [], [], X
     for hop in checkers:
         inputs.append(x)
         x = swarm.compute(hop, x)
         outputs.append(x)
-    return asyncio.run(arbiter.settle(swarm, primary, "float32", checkers, inputs, outputs, None, TOL))
+    claimed = X + checkers[-1].span.end - checkers[0].span.start
+    if primary in swarm.session_liars:
+        claimed = claimed + torch.randn_like(claimed)
+    return asyncio.run(arbiter.settle(swarm, primary, "float32", checkers, inputs, outputs, claimed, None, TOL))
 
 
 def test_a_hop_two_different_checkers_disagree_with_is_the_liar(forwards):
@@ -69,9 +75,16 @@ def test_a_hop_two_different_checkers_disagree_with_is_the_liar(forwards):
 
 
 def test_a_hop_whose_own_recomputation_agrees_with_its_checkers_lied_in_its_session(forwards):
-    swarm = Swarm({"p": Span(0, 4), "a": Span(0, 2), "b": Span(2, 4)})  # p's forwards are honest
+    swarm = Swarm({"p": Span(0, 4), "a": Span(0, 2), "b": Span(2, 4)}, session_liars={"p"})  # honest forwards
     assert settle(swarm, "p", [Hop("a", Span(0, 2)), Hop("b", Span(2, 4))]).liar == "p"
     assert settle(swarm, "p", [Hop("a", Span(0, 4))]).liar == "p"
+
+
+def test_when_every_piece_and_the_hop_itself_agree_nobody_lied(forwards):
+    """Rounding of several pieces added up past the tolerance: no verdict against anyone."""
+    swarm = Swarm({"p": Span(0, 4), "a": Span(0, 2), "b": Span(2, 4)})
+    verdict = settle(swarm, "p", [Hop("a", Span(0, 2)), Hop("b", Span(2, 4))])
+    assert (verdict.liar, verdict.other) == (None, None) and not swarm.banned
 
 
 def test_a_third_opinion_settles_one_checker_against_the_hop(forwards):
