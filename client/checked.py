@@ -95,7 +95,7 @@ def checked_generate(generate, remote, inputs: torch.Tensor, kwargs: dict):
             held.finish()
             return _said(out, unchecked_text(remote.session.unchecked))
         except Rewound as e:
-            if held.streamer is not None and e.position + 1 - prompt_length < held.passed:  # streamed unchecked
+            if held.streamer is not None and max(0, e.position + 1 - prompt_length) < held.passed:  # shown unchecked
                 raise SwarmError(f"{e}; tokens already streamed were made from it (their blocks had no other "
                                  "peer to check them then)") from None
             right = remote.last_ids[:, :e.position + 1]
