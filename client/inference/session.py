@@ -195,12 +195,14 @@ class InferenceSession:
         hops = await self.client.route(cache_tokens=live.cache_tokens, rng=self.rng)
         if self.closed:
             raise BadRequest("the inference session was closed during a step")
-        live.links = live.adopt(hops)
-        if live.encodings is None:
-            live.encodings = self.client.encodings(hops)
         if self.verifier is None and self.config.verify_fraction > 0:
             self.verifier = Verifier(self.client, self.config.verify_fraction, self.rng, self.max_length,
                                      live.batch, live.views, live.formats, self.config.require_checked)
+        if self.verifier is not None:
+            self.verifier.require(hops)  # before anything is sent
+        live.links = live.adopt(hops)
+        if live.encodings is None:
+            live.encodings = self.client.encodings(hops)
         logger.debug("route: %s (%s on the wire)", " -> ".join(str(h) for h in self.route),
                      "/".join(live.encodings.all))
 

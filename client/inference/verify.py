@@ -167,6 +167,16 @@ class Verifier:
         return self.client.checkers(span, exclude=self._excluded(peer), fmt=self.client.offer(peer).format) \
             is not None
 
+    def require(self, hops: list[Hop]) -> None:
+        """With `require_checked`: `Unchecked` before anything is sent if some hop has no other peers to check it."""
+        for hop in hops if self.require_checked else ():
+            if self.client.checkers(hop.span, exclude={hop.peer}, fmt=self.client.offer(hop.peer).format) is None:
+                raise Unchecked(self._alone(hop.span, hop.peer))
+
+    def _alone(self, span: Span, peer: str) -> str:
+        return (f"blocks {span} of {self.client.model_id} are served by peer {describe_peer(peer)} alone: no other "
+                "peer can check its outputs, and checked outputs were required (--require-checked)")
+
     def _excluded(self, peer: str) -> set[str]:
         return {peer} | self.client.failures.disputed(peer)
 
@@ -185,9 +195,7 @@ class Verifier:
             if span not in self.unchecked:
                 logger.info("blocks %s have no other peers to check %s against", span, describe_peer(peer))
                 if self.require_checked:
-                    raise Unchecked(f"blocks {span} of {self.client.model_id} are served by peer "
-                                    f"{describe_peer(peer)} alone: no other peer can check its outputs, and "
-                                    "checked outputs were required (--require-checked)")
+                    raise Unchecked(self._alone(span, peer))
             self.unchecked[span] = peer
             return None
         self.unchecked.pop(span, None)  # checked from the start, now that checkers are there
