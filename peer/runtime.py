@@ -259,13 +259,10 @@ class Runtime:
                 return
             started = time.perf_counter()
             if len(jobs) == 1:
-                job = jobs[0]
                 try:
-                    result = job.fn(*job.args)
+                    outcomes: list[tuple[Any, BaseException | None]] = [(jobs[0].fn(*jobs[0].args), None)]
                 except BaseException as e:  # boundary: the error travels back to the awaiting request
-                    _settle_error(job, e)
-                else:
-                    _settle_result(job, result)
+                    outcomes = [(None, e)]
             else:
                 try:
                     results = list(jobs[0].batch.fn([job.args for job in jobs]))
@@ -274,18 +271,20 @@ class Runtime:
                 except BaseException as e:  # boundary: the batch's error travels back to every job in it
                     logger.debug("batch of %d jobs failed: %r", len(jobs), e)
                     results = [e] * len(jobs)
-                for job, result in zip(jobs, results):
-                    if isinstance(result, BaseException):
-                        _settle_error(job, result)
-                    else:
-                        _settle_result(job, result)
+                outcomes = [(None, r) if isinstance(r, BaseException) else (r, None) for r in results]
                 self.batches_run += 1
                 self.batched_jobs += len(jobs)
+            took = time.perf_counter() - started
+            # charged before the results go back: a client's next job is placed by what this one cost
             self.jobs_done += len(jobs)
-            self._charge(jobs, time.perf_counter() - started)
+            self._charge(jobs, took)
             if jobs[0].batch is not None and jobs[0].batch.key is not None:
-                self._last[jobs[0].batch.key] = (frozenset(j.batch.owner for j in jobs),
-                                                 time.perf_counter() - started)
+                self._last[jobs[0].batch.key] = (frozenset(j.batch.owner for j in jobs), took)
+            for job, (result, error) in zip(jobs, outcomes):
+                if error is not None:
+                    _settle_error(job, error)
+                else:
+                    _settle_result(job, result)
 
 
 def _settle_result(job: _Job, result: Any) -> None:
