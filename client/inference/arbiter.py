@@ -69,7 +69,7 @@ async def settle(client, primary: str, fmt: str, checkers: list[Hop], inputs: li
     """Who lied, P (`primary`) or one of `checkers` (module docstring). `inputs[j]`, `outputs[j]`: what checker
     j was given and returned, positions `[0, n)`; `claimed`: what P returned for them; `mask`: the attention
     mask of those positions."""
-    against = []
+    against, mine = [], None
     for hop, x, want in zip(checkers, inputs, outputs):
         mine = await _recompute(client, Hop(primary, hop.span), x, mask)
         if mine is None:
@@ -80,10 +80,11 @@ async def settle(client, primary: str, fmt: str, checkers: list[Hop], inputs: li
         logger.info("peer %s's outputs contradict %d different peers", describe_peer(primary), len(against))
         return Verdict(primary)
     if not against:
-        whole = Hop(primary, Span(checkers[0].span.start, checkers[-1].span.end))
-        mine = await _recompute(client, whole, inputs[0], mask)
-        if mine is None:
-            return Verdict(primary, convicted=False)
+        if len(checkers) > 1:  # one checker: its piece was the whole span, recomputed already
+            whole = Hop(primary, Span(checkers[0].span.start, checkers[-1].span.end))
+            mine = await _recompute(client, whole, inputs[0], mask)
+            if mine is None:
+                return Verdict(primary, convicted=False)
         if disagree(mine, claimed, tol):
             logger.info("peer %s's outputs contradict its own recomputation", describe_peer(primary))
             return Verdict(primary)
