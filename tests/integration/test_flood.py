@@ -99,7 +99,9 @@ def test_idle_sessions_give_their_cache_back(swarm, client, loop):
     assert info().cache_tokens_left == CACHE_TOKENS - GROW_TOKENS  # committed as it grows
     loop.run(session.step(torch.randn(1, 2, 64), 0))
     started = time.monotonic()
-    wait_until(lambda: info().cache_tokens_left == CACHE_TOKENS, IDLE_TIMEOUT + 10, "the idle session's cache")
+    # polled every 0.5 s (a new stream each time), not every 0.1 s: the probe is not what is tested
+    wait_until(lambda: info().cache_tokens_left == CACHE_TOKENS, IDLE_TIMEOUT + 10, "the idle session's cache",
+               interval=0.5)
     assert time.monotonic() - started >= IDLE_TIMEOUT - 1
     with pytest.raises(UnknownSession):
         loop.run(session.step(torch.randn(1, 1, 64), 2))
