@@ -34,13 +34,9 @@ class UncheckedOutputWarning(UserWarning):
 warnings.filterwarnings("always", category=UncheckedOutputWarning, append=True)
 
 
-def unchecked_text(hops) -> list[str]:
-    """Hops whose outputs no other peer could check, as users read them (and HTTP headers carry them, in ASCII):
-    '[15:30) at XXXXXXXX', the peer's id's last 8 characters."""
-    return [str(hop) for hop in hops]
-
-
 def unchecked_message(blocks: list[str]) -> str:
+    """What users are told of hops no other peer could check, each as `str(hop)`: '[15:30) at XXXXXXXX' (the
+    peer's id's last 8 characters; ASCII, as HTTP headers need)."""
     return (f"blocks {', '.join(blocks)} were computed by a peer that no other peer could check: their outputs are "
             "unchecked (--require-checked refuses them)")
 
@@ -93,7 +89,7 @@ def checked_generate(generate, remote, inputs: torch.Tensor, kwargs: dict):
             out = generate(ids, streamer=held if held.streamer is not None else None, **kwargs)
             remote.model.connection.run(remote.session.verify())
             held.finish()
-            return _said(out, unchecked_text(remote.session.unchecked))
+            return _said(out, [str(hop) for hop in remote.session.unchecked])
         except Rewound as e:
             if held.streamer is not None and max(0, e.position + 1 - prompt_length) < held.passed:  # shown unchecked
                 raise SwarmError(f"{e}; tokens already streamed were made from it (their blocks had no other "

@@ -125,7 +125,6 @@ def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat:
     the model accepts), greedy or sampled with the same tokens as without drafts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from client.checked import unchecked_text
     from client.generation import Generation, stop_token_ids
     from client.sampling import Sampling
 
@@ -160,7 +159,7 @@ def stream_answer(model, tokenizer, prompt: str, args: argparse.Namespace, chat:
     decode = times[-1] - times[0] if tokens > 1 else 0.0
     return {"tokens": tokens, "ttft_s": times[0] - started if tokens else None,
             "tokens_per_s": (tokens - 1) / decode if decode > 0 else 0.0, "drafted": gen.drafted,
-            "accepted": gen.accepted, "unchecked": unchecked_text(gen.unchecked)}
+            "accepted": gen.accepted, "unchecked": [str(hop) for hop in gen.unchecked]}
 
 
 def unchecked_note(stats: dict) -> str | None:

@@ -74,7 +74,7 @@ async def joined(model_id: str, num_blocks: int, config: ClientConfig, *, settle
     hidden states whose spread is under `floor`, `hops.output_floor`) over a fresh client-mode node
     (`joined_node`), for the block."""
     async with joined_node(config, settle=settle) as node:
-        yield SwarmClient(node, model_id, num_blocks, config, digest, **({} if floor is None else {"floor": floor}))
+        yield SwarmClient(node, model_id, num_blocks, config, digest, floor)
 
 
 class SwarmConnection:

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from client.api.tools import Tools, ToolStream, find_calls, openai_calls
-from client.checked import unchecked_text
 from client.generation import Delta, Generation
 from client.sampling import TokenLogprob
 
@@ -195,8 +194,8 @@ def usage(gens: list[Generation]) -> dict[str, Any]:
 
 
 def unchecked_blocks(gens: list[Generation]) -> list[str]:
-    """The hops of these generations' routes that no other peer could check (`client.checked.unchecked_text`)."""
-    return sorted({text for g in gens for text in unchecked_text(g.unchecked)})
+    """The hops of these generations' routes that no other peer could check, as `str(hop)` (ASCII)."""
+    return sorted({str(hop) for g in gens for hop in g.unchecked})
 
 
 def unchecked_headers(gens: list[Generation]) -> dict[str, str]:

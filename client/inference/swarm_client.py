@@ -72,9 +72,10 @@ class PeerState:
 
 class SwarmClient:
     def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
-                 floor: float = hops.output_floor()):
+                 floor: float | None = None):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
-        self.floor = floor  # the spread under which a hidden vector is degenerate (`hops.implausible`)
+        # the spread under which a hidden vector is degenerate (`hops.implausible`; None: without the model's config)
+        self.floor = hops.output_floor() if floor is None else floor
         self.digest = digest  # the weights of this client's head: routes only through peers with the same
         self.measurements = Measurements()
         self.bans = Bans(base=config.ban_seconds)

@@ -87,7 +87,9 @@ class Shadow:
     hops: list[Hop]  # the checking chain, covering the hop's blocks
     primary: str  # the peer whose outputs it checks
     sessions: list[PeerSession | None]
-    outputs: list[Inputs | None]  # each checker's outputs for positions [0, verified) (for settling a mismatch)
+    # each checker's outputs for positions [0, verified), but the last one's (it agreed with the hop's own
+    # outputs there): the inputs of the pieces after it, for settling a mismatch
+    outputs: list[Inputs | None]
     verified: int = 0
     task: asyncio.Task | None = None
     cut: int = 0  # while a check runs: the lowest length the session was rolled back to since it began
@@ -199,7 +201,7 @@ class Verifier:
             self.unchecked[span] = peer
             return None
         self.unchecked.pop(span, None)  # checked from the start, now that checkers are there
-        shadow = self.shadows[span] = Shadow(hops, peer, [None] * len(hops), [None] * len(hops))
+        shadow = self.shadows[span] = Shadow(hops, peer, [None] * len(hops), [None] * (len(hops) - 1))
         return shadow
 
     async def flush(self, links: list[tuple[Span, str]], length: int) -> None:
@@ -348,10 +350,9 @@ class Verifier:
         logger.info("blocks %s: peer %s and checkers %s disagree from position %d (off by %.3g)", span,
                     describe_peer(primary), ", ".join(describe_peer(p) for p in sorted(shadow.peers)), first, distance)
         piece_inputs = [torch.cat([inputs[:, :start], x], 1)[:, :upto]]
-        piece_outputs = []
-        for kept, out in zip(shadow.outputs, outs):
-            before = kept.view()[:, :start] if kept is not None and start else out[:, :0]
-            piece_outputs.append(torch.cat([before, out], 1)[:, :upto])
+        befores = [kept.view()[:, :start] if kept is not None and start else x[:, :0] for kept in shadow.outputs]
+        piece_outputs = [torch.cat([before, out], 1)[:, :upto]
+                         for before, out in zip(befores + [outputs[:, :start]], outs)]
         piece_inputs += piece_outputs[:-1]
         claimed = torch.cat([outputs[:, :start], want], 1)[:, :upto]
         tol = self._tolerance(span, shadow, start)
@@ -405,7 +406,7 @@ class Verifier:
             self.client.failures.convict(dispute.checker)
 
     def _keep(self, shadow: Shadow, outs: list[torch.Tensor], start: int) -> None:
-        for i, out in enumerate(outs):
+        for i, out in enumerate(outs[:len(shadow.outputs)]):  # the last checker's: the hop's own
             if start == 0 or shadow.outputs[i] is None:
                 shadow.outputs[i] = Inputs(out, self.max_length)
             else:
