@@ -115,6 +115,12 @@ class ApiConfig:
     write_timeout: float = option(30.0, help="seconds a streaming client may stop reading before it is cut off")
     max_body_bytes: int = option(1 << 20, help="largest request body in bytes")
     retry_after: int = option(5, help="seconds clients are told to wait (Retry-After) when blocks are uncovered")
+    reuse_tokens: int = option(32768, help="prompt reuse: finished requests' sessions stay open on the peers, and "
+                               "a request whose prompt begins the same way (the next turn of a chat, the same "
+                               "system prompt) sends only the rest; they hold at most this many tokens together, "
+                               "the least recently used closed first (0: no reuse)")
+    reuse_seconds: float = option(120.0, help="seconds a finished request's session is kept unused for reuse (keep "
+                                  "it below the peers' --idle-timeout, 300 s by default)")
     allow_origin: str | None = option(None, help="let web pages from this origin call the API from a browser "
                                       "(CORS), e.g. '*' for any (default: none)")
 
@@ -123,8 +129,10 @@ class ApiConfig:
                               "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after"),
                        ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
         check_port(self.port, "--port")
-        if self.speculative_tokens < 0 or self.max_logprobs < 0:
-            raise ConfigError("--speculative-tokens and --max-logprobs must be 0 or more")
+        if self.speculative_tokens < 0 or self.max_logprobs < 0 or self.reuse_tokens < 0:
+            raise ConfigError("--speculative-tokens, --max-logprobs and --reuse-tokens must be 0 or more")
+        if not (math.isfinite(self.reuse_seconds) and self.reuse_seconds > 0):
+            raise ConfigError(f"--reuse-seconds must be a positive number of seconds, not {self.reuse_seconds}")
 
     @property
     def limits(self):

@@ -16,12 +16,19 @@ spell a character over several byte tokens give the same text as decoding everyt
 an incomplete character waits for its last byte. Text that could still become a stop string is held
 back until it is known; a stop string ends the choice and is not part of its text. Special tokens are
 skipped.
+
+Reuse (`client.api.reuse`): a generation may start from a session that already holds the first tokens of its
+prompt (`Start`): a session a finished request left open, rolled back to what the prompts share, or a fork
+of one still running, once its prompt has run. Only the rest of the prompt is sent, at its position; the
+tokens chosen are the same, since every peer computes the same function of the same tokens. A generation
+that ends well hands its session to `keep` instead of closing it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -31,11 +38,14 @@ import torch
 
 from client.drafts import PromptLookup
 from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
+from client.inference.fork import can_fork, fork
 from client.inference.routing import Hop
 from client.inference.session import Failover, InferenceSession
 from client.inference.swarm_client import SwarmClient
 from swarm.errors import Rewound, SwarmError
 from swarm.model.head import ModelHead
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,24 @@ class Delta:
 
 CONTEXT_TOKENS = 6  # tokens decoded before a new one, so that its text is decoded in context
 MAX_REWINDS = 8  # wrong outputs found in one generation before it gives up
+
+
+@dataclass
+class Start:
+    """Where a generation's session comes from instead of a new one: `session` itself, taken and rolled back to
+    `position` (the prompt tokens it holds), or a fork of it there (`fork`) once `ready` is set (its own prompt
+    has run). A start that cannot be used when its generation begins (the source closed or rolled back)
+    gives way to a new session."""
+
+    session: InferenceSession | None  # None: the session `of` runs in, once it has one
+    position: int
+    fork: bool = False
+    ready: asyncio.Event | None = None
+    of: Generation | None = None  # the running generation to fork
+    forked: Callable[[], None] | None = None  # told once the fork was made or given up
+
+
+READY_WAIT_S = 60.0  # the longest a fork waits for its source's prompt to run
 
 
 @dataclass
@@ -96,8 +124,11 @@ class Generation:
     Cancelling the task that runs it closes its peer sessions."""
 
     def __init__(self, client: SwarmClient, head: ModelHead, tokenizer, executor: Executor, prompt: list[int],
-                 sampling: Sampling, end_tokens: list[int]):
+                 sampling: Sampling, end_tokens: list[int], *, start: Start | None = None,
+                 keep: Callable[[InferenceSession, list[int]], bool] | None = None):
         self.client, self.head, self.tokenizer, self.executor = client, head, tokenizer, executor
+        # `keep(session, tokens)` takes the session of a generation that ended well (True) instead of closing it
+        self.start, self.keep = start, keep
         self.prompt, self.sampling, self.end_tokens = prompt, sampling, set(end_tokens)
         context = prompt[-CONTEXT_TOKENS:]
         self.choices = [Choice(i, context=list(context), read_offset=len(context)) for i in range(sampling.n)]
@@ -110,6 +141,10 @@ class Generation:
         self.drafted = self.accepted = 0  # tokens drafted by prompt lookup, and those the model kept
         self.session: InferenceSession | None = None
         self.unchecked: list[Hop] = []  # hops of its route no other peer could check (`InferenceSession.unchecked`)
+        self.cached = 0  # prompt tokens its session held when it began (reused), not sent again
+        self.reuse = ""  # how: "kept" (a finished request's session), "fork" (a copy of a session's prefix) or ""
+        self.prefilled = asyncio.Event()  # set once its whole prompt has run: forks of it may begin
+        self.made: list[list[int]] = []  # each step's tokens, one per choice
 
     @property
     def waiting(self) -> str | None:
@@ -134,12 +169,14 @@ class Generation:
         s, prompt = self.sampling, len(self.prompt)
         started = time.perf_counter()
         sampler = Sampler(s, self.head.vocab_size, self.prompt)
-        session = self.session = InferenceSession(self.client, prompt + max(s.max_tokens, 1))
-        made: list[list[int]] = []  # each step's tokens, one per choice
+        session = self.session = await self._session(prompt + max(s.max_tokens, 1))
+        made = self.made
         saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
         pending: list[list[Delta]] = []  # deltas of tokens made but not given out yet
-        position, ids = 0, torch.tensor([self.prompt] * s.n, dtype=torch.int64)
+        position = self.cached
+        ids = torch.tensor([self.prompt[position:]] * s.n, dtype=torch.int64)
         drafter = PromptLookup(s.speculate) if self._can_speculate() else None
+        ended = False
         try:
             for _ in range(MAX_REWINDS + 1):
                 try:
@@ -161,6 +198,8 @@ class Generation:
                         hidden = await self._in_pool(self.head.embed, feed, position)
                         out = await session.step(hidden, position)
                         self._note_unchecked(session)
+                        if session.length >= prompt:
+                            self.prefilled.set()
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
                         if drafts:  # the token chosen at each fed position, up to the first draft it differs from
@@ -182,6 +221,7 @@ class Generation:
                             yield out_now
                     await session.verify()  # everything, before the last deltas go out
                     self._note_unchecked(session)
+                    ended = True
                     yield self._release(pending, len(made), len(made))
                     return
                 except Rewound as e:
@@ -197,9 +237,60 @@ class Generation:
             raise SwarmError(f"outputs were found wrong {MAX_REWINDS} times in one generation")
         finally:
             self.failovers = list(session.failovers)
-            # closed in a task of its own: it completes even if this one is being cancelled, and the
-            # response need not wait for it (the owner may wait for `closing` before shutting down)
-            self.closing = asyncio.ensure_future(session.close())
+            self.prefilled.set()  # forks waiting for this prompt look again (they find it ran, or not)
+            if not (ended and self.keep is not None and self._kept(session)):
+                # closed in a task of its own: it completes even if this one is being cancelled, and the
+                # response need not wait for it (the owner may wait for `closing` before shutting down)
+                self.closing = asyncio.ensure_future(session.close())
+
+    async def _session(self, max_length: int) -> InferenceSession:
+        """The session to run in: the start's, rolled back or forked (`cached` prompt tokens it holds), or new.
+        A taken session too short for this request is forked into one long enough, then closed."""
+        start, prompt = self.start, len(self.prompt)
+        position = 0 if start is None else min(start.position, prompt - 1)  # at least one prompt token runs
+        if start is None or position <= 0:
+            return InferenceSession(self.client, max_length)
+        if not start.fork:  # taken: this request's own
+            source = start.session
+            if not source.closed and source.length >= position and source.max_length >= max_length:
+                self.cached, self.reuse = position, "kept"
+                return source
+            try:
+                return await self._fork(source, position, max_length, "kept")
+            finally:
+                self.closing = asyncio.ensure_future(source.close())
+        if start.ready is not None and not start.ready.is_set():
+            try:
+                await asyncio.wait_for(start.ready.wait(), READY_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+        try:
+            source = start.session or start.of.session
+            if source is None:
+                return InferenceSession(self.client, max_length)
+            return await self._fork(source, position, max_length, "fork")
+        finally:
+            if start.forked is not None:
+                start.forked()
+
+    async def _fork(self, source: InferenceSession, position: int, max_length: int, how: str) -> InferenceSession:
+        if not can_fork(source, position):
+            return InferenceSession(self.client, max_length)
+        session = await fork(source, position, max(max_length, position))
+        self.cached, self.reuse = position, how
+        return session
+
+    def _kept(self, session: InferenceSession) -> bool:
+        """Whether `keep` took the session, with the tokens whose outputs its caches hold (one choice only)."""
+        if self.sampling.n != 1:
+            return False
+        tokens = self.prompt + [t for (t,) in self.made]
+        held = min(session.length, len(self.prompt) + max(len(self.made) - 1, 0))  # the last token never ran
+        try:
+            return self.keep(session, tokens[:held])
+        except Exception:  # boundary: a bookkeeping bug closes the session rather than losing it
+            logger.exception("keeping a finished session failed")
+            return False
 
     def _note_unchecked(self, session: InferenceSession) -> None:
         """Hops of the route no other peer could check, over the whole generation (one may be replaced later)."""

@@ -51,6 +51,7 @@ from client.api.errors import model_not_found
 from client.api.requests import ApiError, Common, invalid, parse_chat, parse_completion
 from client.api.metrics import ApiMetrics
 from client.api.responses import ResponseBodies, unchecked_headers
+from client.api.reuse import Reuse
 from client.api.served import ServedModel, load, served_models
 from client.api.stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
@@ -87,6 +88,8 @@ class Gateway:
         self.server: http.HttpServer | None = None
         self.keepalive_s = KEEPALIVE_S
         self.metrics = ApiMetrics(self)
+        self.reuse = {m.model_id: Reuse(config.reuse_tokens, config.reuse_seconds, self.metrics, m.model_id)
+                      for m in models}  # sessions kept for prompts that begin the same way, per model
 
     def app(self) -> web.Application:
         app = http.make_app(self.limits)
@@ -106,6 +109,7 @@ class Gateway:
     async def close(self) -> None:
         if self.server is not None:
             await self.server.close()
+        await asyncio.gather(*(reuse.close() for reuse in self.reuse.values()))
         if self.closing:  # let the peers hear that our sessions ended before the node goes away
             await asyncio.wait(list(self.closing), timeout=3)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -314,8 +318,7 @@ class Gateway:
         await self._slot()
         self.running += 1
         started = time.perf_counter()
-        gens = [Generation(served.client, served.head, served.tokenizer, self.executor, ids, sampling,
-                           served.end_tokens) for ids, sampling in zip(prompts, samplings)]
+        gens = [self._generation(served, ids, sampling) for ids, sampling in zip(prompts, samplings)]
         runs = Runs(gens)
         try:
             try:
@@ -325,6 +328,7 @@ class Gateway:
                 self.slots.release()
                 await runs.close()
                 for gen in gens:
+                    self.reuse[model].ended(gen)
                     if gen.closing is not None:
                         self.closing.add(gen.closing)
                         gen.closing.add_done_callback(self.closing.discard)
@@ -340,6 +344,12 @@ class Gateway:
             accepted = sum(g.accepted for g in gens)
             self.metrics.drafts.labels("accepted").inc(accepted)
             self.metrics.drafts.labels("rejected").inc(sum(g.drafted for g in gens) - accepted)
+            for g in gens:
+                if g.reuse:
+                    self.metrics.reuse_hits.labels(g.reuse, model).inc()
+                    self.metrics.reuse_saved.labels(model).inc(g.cached)
+                elif g.session is not None:
+                    self.metrics.reuse_misses.labels(model).inc()
             failovers = [f for g in gens for f in g.failovers]
             for f in failovers:
                 self.metrics.failovers.labels(f.reason, model).inc()
@@ -347,6 +357,18 @@ class Gateway:
                         sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
                         time.perf_counter() - started, max(g.first_token_s or 0.0 for g in gens),
                         f", {len(failovers)} failovers" if failovers else "")
+
+    def _generation(self, served: ServedModel, prompt: list[int], sampling: Sampling) -> Generation:
+        """A generation, starting where a kept or running session holds the most of its prompt
+        (`client.api.reuse`)."""
+        reuse = self.reuse[served.model_id]
+        reusable = reuse.on and sampling.n == 1 and not sampling.prompt_logprobs
+        gen = Generation(served.client, served.head, served.tokenizer, self.executor, prompt, sampling,
+                         served.end_tokens, start=reuse.start(prompt, reusable),
+                         keep=reuse.keep if reusable else None)
+        if reusable:
+            reuse.began(gen)
+        return gen
 
     def _timed(self, last: list[float], model: str) -> None:
         now = time.perf_counter()

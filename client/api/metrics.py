@@ -28,6 +28,15 @@ class ApiMetrics:
                                  registry=r)
         self.drafts = Counter("swarm_api_drafted_tokens", "tokens drafted by prompt lookup (speculative decoding), "
                               "by whether the model kept them", ["outcome"], registry=r)
+        self.reuse_hits = Counter("swarm_api_prefix_hits", "generations that began from a session holding the "
+                                  "start of their prompt: a kept one taken, or a fork", ["kind", "model"], registry=r)
+        self.reuse_misses = Counter("swarm_api_prefix_misses", "generations that began with a new session", ["model"],
+                                    registry=r)
+        self.reuse_saved = Counter("swarm_api_prefix_tokens_saved", "prompt tokens not sent again because a session "
+                                   "held them", ["model"], registry=r)
+        self.reuse_evicted = Counter("swarm_api_kept_sessions_closed", "kept sessions closed, by why: unused (too "
+                                     "long), budget (least recently used beyond --reuse-tokens), shutdown",
+                                     ["reason", "model"], registry=r)
         self.cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",
                                  registry=r)
 
@@ -35,6 +44,9 @@ class ApiMetrics:
             guard = gateway.server.guard if gateway.server else None
             yield "swarm_api_generations_running", "generations running now", gateway.running, {}
             yield "swarm_api_generations_waiting", "requests waiting for a generation slot", gateway.waiting, {}
+            for model, reuse in gateway.reuse.items():
+                yield "swarm_api_kept_sessions", "sessions kept open for reuse now", len(reuse.kept), {"model": model}
+                yield "swarm_api_kept_tokens", "tokens the kept sessions hold now", reuse.kept_tokens, {"model": model}
             if guard is not None:
                 yield "swarm_api_connections_open", "HTTP connections open now", guard.open_connections(), {}
                 for what, value in (("evicted", guard.evicted), ("refused", guard.refused),

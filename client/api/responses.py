@@ -184,10 +184,12 @@ def _value(logprob: float) -> float:
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:
-    """OpenAI's usage figures, and `unchecked_blocks` when some blocks had no other peer to check them."""
+    """OpenAI's usage figures (with cached prompt tokens), and `unchecked_blocks` when some blocks had no other peer to check them."""
     prompt = sum(g.prompt_tokens for g in gens)
     completion = sum(g.completion_tokens for g in gens)
-    figures = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    figures = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               # prompt tokens whose outputs the peers held already (a kept or forked session), as OpenAI reports them
+               "prompt_tokens_details": {"cached_tokens": sum(g.cached for g in gens)}}
     if blocks := unchecked_blocks(gens):
         figures["unchecked_blocks"] = blocks
     return figures

@@ -1,0 +1,101 @@
+"""The radix tree over token ids (client.api.prefixes) and the gateway's choice of where a request starts
+(client.api.reuse): taken, forked or new."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from client.api.prefixes import PrefixTree
+from client.api.reuse import MIN_SHARED, Reuse
+
+
+def common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_longest_prefix_matches_a_linear_scan_under_random_inserts_and_removals():
+    rng = random.Random(0)
+    for _ in range(200):
+        tree, seqs = PrefixTree(), {}
+        for _ in range(40):
+            if rng.random() < 0.5 or not seqs:
+                base = list(rng.choice(list(seqs.values()))) if seqs and rng.random() < 0.7 else []
+                seq = base[:rng.randint(0, len(base))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
+                key = rng.randint(0, 9)
+                seqs[key] = tuple(seq)
+                tree.insert(key, seq)
+            else:
+                key = rng.choice(list(seqs))
+                del seqs[key]
+                tree.remove(key)
+            query = [rng.randint(0, 3) for _ in range(rng.randint(0, 8))]
+            items, length = tree.longest(query)
+            best = max((common(s, query) for s in seqs.values()), default=0)
+            assert length == best
+            assert items == {k for k, s in seqs.items() if common(s, query) == best}
+            assert len(tree) == len(seqs)
+
+
+class Session:
+    """What the pool reads of an inference session: whether it is closed, and closing it."""
+
+    def __init__(self):
+        self.closed = False
+
+    async def close(self):
+        self.closed = True
+
+
+def test_a_request_takes_the_session_its_prompt_extends_and_forks_one_it_only_shares():
+    async def main():
+        pool = Reuse(max_tokens=1000, max_seconds=60)
+        system = list(range(100, 100 + MIN_SHARED + 4))
+        first = Session()
+        assert pool.keep(first, system + [1, 2, 3])
+        start = pool.start(system + [1, 2, 3, 4, 5], reusable=True)  # the next turn: taken
+        assert (start.session, start.position, start.fork) == (first, len(system) + 3, False)
+        assert len(pool.kept) == 0
+        pool.keep(first, system + [1, 2, 3, 4, 5, 6])
+        other = pool.start(system + [7, 8, 9, 10, 11, 12, 13, 14], reusable=True)  # the same system prompt only
+        assert (other.session, other.position, other.fork) == (first, len(system), True)
+        assert len(pool.kept) == 1  # kept for its own conversation
+        assert pool.start(system + [7], reusable=False) is None
+        assert pool.start([5, 6, 7], reusable=True) is None  # nothing shared
+        other.forked()
+        await pool.close()
+        assert first.closed
+
+    asyncio.run(main())
+
+
+def test_the_budget_closes_the_least_recently_used_first():
+    async def main():
+        pool = Reuse(max_tokens=100, max_seconds=60)
+        sessions = [Session() for _ in range(3)]
+        for i, session in enumerate(sessions):
+            pool.keep(session, [i] * 40)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        assert [s.closed for s in sessions] == [True, False, False]
+        assert pool.kept_tokens == 80
+        assert not pool.keep(Session(), [9] * 101)  # more than the whole budget: not kept
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_session_unused_too_long_is_closed():
+    async def main():
+        pool = Reuse(max_tokens=100, max_seconds=0.05)
+        session = Session()
+        pool.keep(session, [1] * 30)
+        await asyncio.sleep(0.1)
+        assert pool.start([1] * 40, reusable=True) is None
+        await asyncio.sleep(0)
+        assert session.closed
+
+    asyncio.run(main())
