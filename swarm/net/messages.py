@@ -174,8 +174,9 @@ class Open:
         if (f.get("fork") is None) != (f.get("fork_length") is None):
             raise BadRequest("'fork' and 'fork_length' come together: the session to copy and how many positions")
         return cls(_str(f, "model", MODEL_CHARS), start, _int(f, "end", start + 1, 2**20), max_length,
-                   _int(f, "batch", 1, 2**20), _encodings(f, "encodings"), _hex(f, "digest", WEIGHTS_DIGEST_CHARS, None),
-                   _session_id(f, "fork", None), _int(f, "fork_length", 1, max_length, None))
+                   _int(f, "batch", 1, 2**20), _encodings(f, "encodings"),
+                   _hex(f, "digest", WEIGHTS_DIGEST_CHARS, None), _session_id(f, "fork", None),
+                   _int(f, "fork_length", 1, max_length, None))
 
 
 @dataclass(frozen=True)

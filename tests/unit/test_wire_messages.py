@@ -198,5 +198,6 @@ def test_open_carries_a_fork_only_when_given_and_checks_it():
     for extra, match in bad:
         with pytest.raises(BadRequest, match=match):
             messages.Open.from_message(over_the_wire(wire.Message(wire.OPEN, {**fields, **extra})))
-    good = messages.Open.from_message(over_the_wire(wire.Message(wire.OPEN, {**fields, "fork": sid, "fork_length": 16})))
+    good = messages.Open.from_message(over_the_wire(wire.Message(wire.OPEN, {**fields, "fork": sid,
+                                                                         "fork_length": 16})))
     assert (good.fork, good.fork_length) == (sid, 16)
