@@ -77,6 +77,17 @@ class Compute:
         ms = (time.perf_counter() - started) * 1e3
         return messages.Hidden.encode(out, step.hidden.encoding), ms, cache.length, 1
 
+    def fork(self, session: ServedSession, source: ServedSession, length: int) -> None:
+        """Make `session`'s cache a copy of positions [0, `length`) of `source`'s, and run it on the same blocks:
+        as `source` is when the job runs, after its steps queued before it (`SpanCache.copy`)."""
+        cache = source.cache  # read once: the event loop drops it if the source closes
+        self._check_open(source)
+        self._check_open(session)
+        if length > cache.length:
+            raise BadRequest(f"'fork_length' {length} is past the end of session {source.id}: it holds {cache.length} "
+                             "positions")
+        session.cache, session.blocks = cache.copy(length), source.blocks
+
     def batch(self, items: list[tuple[ServedSession, messages.Step]]) -> list[Any]:
         """One-token steps of several sessions (`step`'s arguments each).
 

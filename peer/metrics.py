@@ -50,6 +50,10 @@ class PeerMetrics:
         self._forwards = Counter("swarm_peer_forwards", "stateless forwards computed", registry=r)
         self._tokens = Counter("swarm_peer_tokens", "tokens run through the served blocks (batch x tokens of "
                                "each step and forward)", registry=r)
+        self._forked = Counter("swarm_peer_sessions_forked", "sessions opened as a copy of another session's cache "
+                               "(also counted as opened)", registry=r)
+        self._tokens_forked = Counter("swarm_peer_tokens_forked", "cache tokens copied into forked sessions (batch x "
+                                      "positions), never run through the blocks", registry=r)
         self._errors = Counter("swarm_peer_errors", "requests answered with an error, by error code", ["code"],
                                registry=r)
         self._step_compute = Histogram("swarm_peer_step_compute_seconds", "compute time of a session step",
@@ -71,6 +75,10 @@ class PeerMetrics:
 
     def opened(self) -> None:
         self._opened.inc()
+
+    def forked(self, tokens: int) -> None:
+        self._forked.inc()
+        self._tokens_forked.inc(tokens)
 
     def stepped(self, tokens: int, compute_s: float) -> None:
         self._steps.inc()

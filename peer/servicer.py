@@ -20,7 +20,7 @@ from peer.compute import Compute
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.push import Pusher
-from peer.runtime import ClientSlots, Runtime
+from peer.runtime import Batch, ClientSlots, Runtime
 from peer.sessions import ServedSession, SessionTable
 from swarm.net import messages, wire
 from swarm.model.blocks import SpanBlocks
@@ -186,7 +186,10 @@ class Servicer:
             if msg.type == wire.OPEN:
                 if session is not None:
                     raise BadRequest("a session is already open on this stream")
-                session = self._open(messages.Open.from_message(msg), stream.remote)
+                request = messages.Open.from_message(msg)
+                session = self._open(request, stream.remote) if request.fork is None else \
+                    await self._fork(request, stream.remote)
+                self.metrics.opened()
                 session.send = send
                 return messages.Opened(session.id, session.span.start, session.span.end, session.batch,
                                    session.max_length, session.encodings,
@@ -351,20 +354,54 @@ class Servicer:
         if await session.send(reply) and reply.type == wire.OUTPUT:
             self.metrics.step_replied(time.perf_counter() - received)
 
-    def _open(self, request: messages.Open, client: str = "") -> ServedSession:
-        """A new session of `client` (the stream's authenticated peer), its cache committed as it grows."""
+    def _check_request(self, request: messages.Open) -> Span:
         span = self._check_target(request.model, request.start, request.end, request.digest)
         if request.max_length > self.config.max_length:
             raise BadRequest(f"'max_length' must be an integer in [1, {self.config.max_length}], got "
                              f"{request.max_length}")
         if request.batch > self.config.max_batch:
             raise BadRequest(f"'batch' must be an integer in [1, {self.config.max_batch}], got {request.batch}")
+        return span
+
+    def _open(self, request: messages.Open, client: str = "") -> ServedSession:
+        """A new session of `client` (the stream's authenticated peer), its cache committed as it grows."""
+        span = self._check_request(request)
         session = self.sessions.open(span, request.batch, request.max_length, request.encodings, time.monotonic(),
                                      client)
         self.compute.open(session, request.batch, request.max_length, span)
-        self.metrics.opened()
         logger.debug("opened session %s: blocks %s, batch %d, max length %d, %s on the wire", session.id, span,
                      request.batch, request.max_length, "/".join(request.encodings))
+        return session
+
+    async def _fork(self, request: messages.Open, client: str) -> ServedSession:
+        """`_open`'s session, its cache a copy of positions [0, fork_length) of `client`'s session `request.fork`
+        here, made by the compute thread after the source's steps queued before it. A prefix shared by several
+        sessions is computed once. Refused (nothing left open): a source that is not this client's open
+        session; another span or batch; positions it does not hold; the cache it would need."""
+        span, length = self._check_request(request), request.fork_length
+        source = self.sessions.get(request.fork, client)
+        if source.span != span or source.batch != request.batch:
+            raise BadRequest(f"session {source.id} holds blocks {source.span} for batch {source.batch}: a fork of it "
+                             f"must ask for the same, not blocks {span} for batch {request.batch}")
+        if source.blocks is not self.blocks:
+            raise NotServing(f"session {source.id} runs on blocks this peer has moved away from; open a new session")
+        source.inflight += 1  # busy while copied: never reclaimed to make room for its own fork
+        try:
+            session = self._open(request, client)
+            try:
+                self.sessions.grow(session, length, time.monotonic())
+                await self.runtime.run(self.compute.fork, session, source, length, timeout=self.config.step_timeout,
+                                       batch=Batch(None, None, source.id), client=client)  # owner: after its steps
+                if session.closed:
+                    raise UnknownSession(f"session {session.id} {session.why}; open a new one")
+            except BaseException:
+                self.sessions.close(session.id, "was refused")
+                raise
+        finally:
+            source.inflight -= 1
+            source.used_at = time.monotonic()
+        session.end = length
+        self.metrics.forked(session.batch * length)
         return session
 
     async def _step(self, session: ServedSession, step: messages.Step) -> messages.Output:

@@ -185,9 +185,11 @@ class SessionTable:
                      and self._reclaimable(s, client, tokens, self.token_share, GROW_TOKENS, now))
         return max(free, min(self.token_share - tokens[client], free + forced))
 
-    def get(self, sid: str) -> ServedSession:
+    def get(self, sid: str, client: str | None = None) -> ServedSession:
+        """The open session `sid`; with `client`, only if that client opened it: another client's session is
+        `UnknownSession` with the same message as one that does not exist, so its existence never shows."""
         session = self.sessions.get(sid)
-        if session is None or session.closed:
+        if session is None or session.closed or (client is not None and session.client != client):
             raise UnknownSession(f"session {sid} is not open on this peer (closed, reclaimed or never opened)")
         return session
 

@@ -49,12 +49,16 @@ class PeerSession:
     @classmethod
     async def open(cls, node: Node, peer: str, model: str, span: Span, *, max_length: int, batch: int = 1,
                    encodings: tuple[str, ...] = ("float32",), timeout: float = 30.0,
-                   digest: str | None = None) -> PeerSession:
-        """Open a session whose steps may use any of `encodings` (`swarm.net.messages.ENCODINGS`)."""
+                   digest: str | None = None, fork: tuple[str, int] | None = None) -> PeerSession:
+        """Open a session whose steps may use any of `encodings` (`swarm.net.messages.ENCODINGS`). With `fork`
+        (the `id` of another session of this client at this peer, and a length), its cache starts as a copy of
+        that session's first `length` positions: its first step is at `length`."""
+        fork_id, fork_length = fork if fork is not None else (None, None)
         stream = await node.open(peer, wire.SESSION_PROTOCOL)
         try:
-            reply = await exchange(stream, messages.Open(model, span.start, span.end, max_length, batch,
-                                                         tuple(encodings), digest).to_message(), timeout)
+            request = messages.Open(model, span.start, span.end, max_length, batch, tuple(encodings), digest,
+                                    fork=fork_id, fork_length=fork_length)
+            reply = await exchange(stream, request.to_message(), timeout)
             opened = decode_reply(messages.Opened, reply, peer, "open")
         except BaseException:
             await stream.aclose()

@@ -315,14 +315,16 @@ class SwarmClient:
             return self.config.open_timeout
         return min(self.config.open_timeout, self.config.min_deadline + 1.0 + self.config.deadline_factor * delay / 1e3)
 
-    async def open_session(self, hop: Hop, *, max_length: int, batch: int,
-                           encodings: tuple[str, ...]) -> peer_session.PeerSession:
-        """A session at the hop's peer; what it says of its free cache is remembered."""
+    async def open_session(self, hop: Hop, *, max_length: int, batch: int, encodings: tuple[str, ...],
+                           fork: tuple[str, int] | None = None) -> peer_session.PeerSession:
+        """A session at the hop's peer; what it says of its free cache is remembered. With `fork` (a session id of
+        this client at that peer, a length): a copy of that session's cache up to the length
+        (`PeerSession.open`)."""
         # the session's own timeout bounds its steps; each step's real deadline is the caller's
         session = await asyncio.wait_for(
             peer_session.PeerSession.open(self.node, hop.peer, self.model_id, hop.span, max_length=max_length,
                                          batch=batch, encodings=encodings, timeout=self.config.step_timeout,
-                                         digest=self.digest),
+                                         digest=self.digest, fork=fork),
             self.open_deadline(hop.peer))
         self.measurements.cache(hop.peer, session.opened.cache_tokens_left)
         return session

@@ -7,7 +7,8 @@ Invariants:
   any earlier position; sliding-window layers get their window from the mask instead.
 - The cache length always equals the session's position.
 - Recurrent layers keep their state plus copies of it at the ends of the last `SNAPSHOTS` steps: a
-  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`.
+  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a `copy`.
+- A copy shares no tensor with its original: either may step or roll back without changing the other.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class SpanCache:
         n = num_blocks or span.end
         kinds = list(kinds) if kinds is not None else ["full_attention"] * n
         counts = list(state_counts) if state_counts is not None else [1] * n
-        self.kinds = kinds
+        self.kinds, self.state_counts = kinds, counts
         self.clock = DynamicLayer()  # holds only the length: zeros [batch, 1, length, 1]
         own = {i: _cache_layer(kinds[i], counts[i]) for i in span}
         self.kv = span_kv(span, n, own, kinds, self.clock)
@@ -98,6 +99,29 @@ class SpanCache:
         for later in [p for p in self.snapshots if p > position]:
             del self.snapshots[later]
 
+    @torch.inference_mode()
+    def copy(self, length: int) -> SpanCache:
+        """A new cache holding positions [0, `length`) of this one, sharing no tensor with it: attention keys
+        and values cut at `length`; recurrent states as they were at `length` (the current ones, or a kept
+        snapshot: any other length is a `BadRequest`, as for `rollback`), with the snapshots up to there."""
+        if not 0 <= length <= self.length:
+            raise BadRequest(f"cannot copy {length} positions of the cache of span {self.span}: it holds {self.length}")
+        if self.stateful and length not in (0, self.length) and length not in self.snapshots:
+            raise BadRequest(f"blocks {self.span}: recurrent state is kept only at the ends of the last {SNAPSHOTS} "
+                             f"steps ({sorted(self.snapshots)}) and at {self.length}, not at {length}")
+        new = SpanCache(self.span, self.batch_size, self.max_length, len(self.kinds), self.kinds, self.state_counts)
+        for mine, theirs in zip(self.own, new.own):
+            if isinstance(mine, DynamicLayer) and mine.is_initialized:
+                theirs.keys, theirs.values = (t[..., :length, :].clone() for t in (mine.keys, mine.values))
+                theirs.is_initialized, theirs.device = True, mine.device
+        if length:  # at 0 the new cache's states are fresh, as a rollback to 0 resets them
+            zeros = torch.zeros(self.batch_size, 1, length, 1)
+            new.clock.update(zeros, zeros)
+            for i, layer in enumerate(new.stateful):
+                _restore(layer, self.snapshots[length][i] if length != self.length else _state_of(self.stateful[i]))
+        new.snapshots = {p: [_clone(state) for state in snap] for p, snap in self.snapshots.items() if p <= length}
+        return new
+
     def nbytes(self) -> int:
         tensors = [t for layer in self.own for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
         tensors += [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
@@ -114,19 +138,18 @@ def _cache_layer(kind: str, states: int):
     return cls(number_of_states=states) if issubclass(cls, LinearAttentionLayer) else cls()
 
 
+def _clone(state: dict) -> dict:
+    return {field: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
+            if isinstance(value, dict) else value for field, value in state.items()}
+
+
 def _state_of(layer) -> dict:
-    state = {}
-    for field in STATE_FIELDS:
-        value = getattr(layer, field)
-        state[field] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()} \
-            if isinstance(value, dict) else value
-    return state
+    return _clone({field: getattr(layer, field) for field in STATE_FIELDS})
 
 
 def _restore(layer, state: dict) -> None:
-    for field, value in state.items():
-        setattr(layer, field, {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
-                if isinstance(value, dict) else value)
+    for field, value in _clone(state).items():
+        setattr(layer, field, value)
 
 
 def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | None = None,

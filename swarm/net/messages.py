@@ -9,6 +9,7 @@ states travel in one of `ENCODINGS` (`swarm.net.hidden.Hidden`, re-exported here
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from swarm.net.wire import Blob, Message, MAX_CHAIN, OPEN, OPENED, STEP, OUTPUT,
 # ---- typed messages: what each message holds, built and checked in one place ----
 
 MAX_ID_CHARS = 128
+SESSION_ID = re.compile(r"s[0-9]{1,20}-[0-9a-f]{1,64}")  # `peer.sessions.SessionTable.open` makes `s<n>-<24 hex>`
 HEX = frozenset("0123456789abcdef")
 BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
@@ -130,9 +132,22 @@ def _chain_fields(chain: tuple[ChainHop, ...] | None) -> dict[str, Any]:
                                          for h in chain]}
 
 
+def _session_id(fields: dict[str, Any], name: str, default: Any = ...) -> Any:
+    """A session id as peers make them (`peer.sessions.SessionTable.open`): `s<counter>-<hex>`."""
+    value = fields.get(name, default)
+    if value is default and default is not ...:
+        return value
+    if not (isinstance(value, str) and len(value) <= MAX_ID_CHARS and SESSION_ID.fullmatch(value)):
+        raise BadRequest(f"'{name}' must be a session id like 's12-0f3a...' of at most {MAX_ID_CHARS} characters, "
+                         f"got {str(value)[:80]!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Open:
-    """Client -> peer: open a session on blocks [start, end); its steps may come in any of `encodings`."""
+    """Client -> peer: open a session on blocks [start, end); its steps may come in any of `encodings`. With
+    `fork`, its cache starts as a copy of positions [0, fork_length) of that session of the same client on
+    the same peer, and its first step is at `fork_length`."""
 
     TYPE = OPEN
     model: str
@@ -142,19 +157,26 @@ class Open:
     batch: int
     encodings: tuple[str, ...] = ("float32",)
     digest: str | None = None  # the weights the client's head has: a peer with other weights refuses
+    fork: str | None = None  # a session id of the same client on this peer, to copy the cache of
+    fork_length: int | None = None  # with `fork`: how many positions to copy, 1 to max_length
 
     def to_message(self) -> Message:
         return Message(OPEN, {"model": self.model, "start": self.start, "end": self.end, "max_length": self.max_length,
-                              "batch": self.batch, "encodings": list(self.encodings), **_given(digest=self.digest)})
+                              "batch": self.batch, "encodings": list(self.encodings),
+                              **_given(digest=self.digest, fork=self.fork, fork_length=self.fork_length)})
 
     @classmethod
     def from_message(cls, msg: Message) -> Open:
         _check_type(msg, cls)
         f = msg.fields
         start = _int(f, "start", 0, 2**20)
-        return cls(_str(f, "model", MODEL_CHARS), start, _int(f, "end", start + 1, 2**20),
-                   _int(f, "max_length", 1, 2**31), _int(f, "batch", 1, 2**20), _encodings(f, "encodings"),
-                   _hex(f, "digest", WEIGHTS_DIGEST_CHARS, None))
+        max_length = _int(f, "max_length", 1, 2**31)
+        if (f.get("fork") is None) != (f.get("fork_length") is None):
+            raise BadRequest("'fork' and 'fork_length' come together: the session to copy and how many positions")
+        return cls(_str(f, "model", MODEL_CHARS), start, _int(f, "end", start + 1, 2**20), max_length,
+                   _int(f, "batch", 1, 2**20), _encodings(f, "encodings"),
+                   _hex(f, "digest", WEIGHTS_DIGEST_CHARS, None), _session_id(f, "fork", None),
+                   _int(f, "fork_length", 1, max_length, None))
 
 
 @dataclass(frozen=True)

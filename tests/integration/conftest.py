@@ -37,13 +37,14 @@ def local(tiny_llama):
 
 @pytest.fixture(scope="session")
 def swarm(tmp_path_factory, tiny_llama):
-    """Bootstrap, then three peers started one after another with no --blocks."""
+    """Bootstrap, then three peers started one after another with no --blocks, each serving `/metrics` on a port
+    of its own (`LocalSwarm.metrics_url`)."""
     net = LocalSwarm(tmp_path_factory.mktemp("swarm"))
     try:
         net.start_bootstrap()
         budget = str(two_block_budget(tiny_llama))
         for i in range(3):
-            net.start_peer(f"peer{i}", tiny_llama, "--memory-budget", budget, *PEER_OPTIONS)
+            net.start_peer(f"peer{i}", tiny_llama, "--memory-budget", budget, "--metrics-port", "0", *PEER_OPTIONS)
         release_after_last_use("swarm", net.stop_all)
         yield net
     finally:

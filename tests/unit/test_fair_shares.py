@@ -61,6 +61,18 @@ def test_a_closed_session_does_not_grow():
     assert (s.room, t.tokens_left, len(t.sessions)) == (GROW_TOKENS, 512, 1) and s.why == "was closed for the test"
 
 
+def test_a_session_named_with_a_client_is_found_only_for_that_client():
+    t = table()
+    mine = t.open(SPAN, 1, 512, ENC, 0.0, HONEST)
+    assert t.get(mine.id, HONEST) is mine and t.get(mine.id) is mine
+    answers = []
+    for sid, client in ((mine.id, HOG), ("s99-" + "ab" * 12, HONEST)):
+        with pytest.raises(UnknownSession) as e:
+            t.get(sid, client)
+        answers.append(str(e.value).replace(sid, "ID"))
+    assert answers[0] == answers[1]  # another client's session reads as one that does not exist
+
+
 # ---- reclaiming ----
 
 def test_a_client_over_its_share_loses_its_sessions_to_a_client_within_its_share():

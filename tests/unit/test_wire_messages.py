@@ -36,6 +36,7 @@ def hidden(encoding: str = "float32", shape=(2, 3, 64), seed: int = 0) -> messag
 
 MESSAGES = [
     messages.Open("tiny", 2, 5, 128, 2, ("bfloat16", "int8", "float32")),
+    messages.Open("tiny", 2, 5, 128, 2, ("float32",), fork="s12-" + "0f" * 12, fork_length=128),
     messages.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda", KEY),
     messages.Step(7, 3, hidden("float16"), wire.blob_of(torch.ones(2, 6, dtype=torch.bool)),
               (messages.ChainHop(PEER, "s2-cd", 4, TAG),)),
@@ -172,3 +173,31 @@ def test_open_and_forward_carry_the_weights_digest_and_repo_ids():
         msg = old.to_message()
         with pytest.raises(BadRequest, match="'digest' must be 32 lowercase hex"):
             messages.Open.from_message(wire.Message(msg.type, {**msg.fields, "digest": bad}, msg.tensors))
+
+
+def test_open_carries_a_fork_only_when_given_and_checks_it():
+    plain = messages.Open("tiny", 0, 2, 16, 1)
+    assert not {"fork", "fork_length"} & set(plain.to_message().fields)
+    back = messages.Open.from_message(over_the_wire(plain.to_message()))
+    assert (back.fork, back.fork_length) == (None, None)
+    fields = plain.to_message().fields
+    sid = "s3-" + "ab" * 12
+    bad = [
+        ({"fork": sid}, "come together"),
+        ({"fork_length": 4}, "come together"),
+        ({"fork": sid, "fork_length": 0}, "'fork_length' must be an integer in \\[1, 16\\]"),
+        ({"fork": sid, "fork_length": 17}, "'fork_length' must be an integer in \\[1, 16\\]"),
+        ({"fork": sid, "fork_length": True}, "'fork_length'"),
+        ({"fork": sid, "fork_length": "4"}, "'fork_length'"),
+        ({"fork": "x3-ab", "fork_length": 4}, "'fork' must be a session id"),
+        ({"fork": "s3-AB", "fork_length": 4}, "'fork' must be a session id"),
+        ({"fork": "s3-ab\n", "fork_length": 4}, "'fork' must be a session id"),
+        ({"fork": "s3-" + "a" * 200, "fork_length": 4}, "'fork' must be a session id"),
+        ({"fork": 3, "fork_length": 4}, "'fork' must be a session id"),
+    ]
+    for extra, match in bad:
+        with pytest.raises(BadRequest, match=match):
+            messages.Open.from_message(over_the_wire(wire.Message(wire.OPEN, {**fields, **extra})))
+    good = messages.Open.from_message(over_the_wire(wire.Message(wire.OPEN, {**fields, "fork": sid,
+                                                                         "fork_length": 16})))
+    assert (good.fork, good.fork_length) == (sid, 16)
