@@ -170,6 +170,7 @@ class Generation:
         started = time.perf_counter()
         sampler = Sampler(s, self.head.vocab_size, self.prompt)
         session = self.session = await self._session(prompt + max(s.max_tokens, 1))
+        earlier = len(session.failovers)  # a kept session's, from the requests before
         made = self.made
         saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
         pending: list[list[Delta]] = []  # deltas of tokens made but not given out yet
@@ -236,7 +237,7 @@ class Generation:
                            else torch.tensor(made[-1], dtype=torch.int64)[:, None])
             raise SwarmError(f"outputs were found wrong {MAX_REWINDS} times in one generation")
         finally:
-            self.failovers = list(session.failovers)
+            self.failovers = list(session.failovers[earlier:])
             self.prefilled.set()  # forks waiting for this prompt look again (they find it ran, or not)
             if not (ended and self.keep is not None and self._kept(session)):
                 # closed in a task of its own: it completes even if this one is being cancelled, and the
@@ -254,6 +255,7 @@ class Generation:
             source = start.session
             if not source.closed and source.length >= position and source.max_length >= max_length:
                 self.cached, self.reuse = position, "kept"
+                source.live.resume()  # its peers count it toward their load again
                 return source
             try:
                 return await self._fork(source, position, max_length, "kept")

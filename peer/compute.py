@@ -86,7 +86,7 @@ class Compute:
         if length > cache.length:
             raise BadRequest(f"'fork_length' {length} is past the end of session {source.id}: it holds {cache.length} "
                              "positions")
-        session.cache, session.blocks = cache.copy(length), source.blocks
+        session.cache, session.blocks = cache.copy(length, session.max_length), source.blocks
 
     def batch(self, items: list[tuple[ServedSession, messages.Step]]) -> list[Any]:
         """One-token steps of several sessions (`step`'s arguments each).

@@ -105,6 +105,7 @@ class Reuse:
         """Keep a finished request's session (True), unless reuse is off or it holds too little."""
         if not self.on or len(tokens) < 2 or len(tokens) > self.max_tokens or session.closed:
             return False
+        session.live.rest()  # idle: it does not count toward its peers' load while kept
         self.kept.insert(Kept(session, list(tokens)), tokens)
         self.expire()
         return True

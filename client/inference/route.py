@@ -78,6 +78,18 @@ class Route:
             link.claimed = False
             self.client.release(link.hop)
 
+    def rest(self) -> None:
+        """The session is kept for later (idle, `client.api.reuse`): its links stop counting toward their peers'
+        load until `resume`."""
+        for link in self.links:
+            self.release(link)
+
+    def resume(self) -> None:
+        for link in self.links:
+            if not link.claimed:
+                link.claimed = True
+                self.client.claim([link.hop])
+
     def swap(self, i: int, hops: list[Hop]) -> tuple[str, ...]:
         """Links for `hops` in place of link `i`, whose span they cover (its session is left to the caller);
         the new hops, as text."""

@@ -280,7 +280,7 @@ class Verifier:
     async def _through(self, shadow: Shadow, x: torch.Tensor, start: int,
                        mask: torch.Tensor | None) -> list[torch.Tensor]:
         """`x` (positions from `start`) through the shadow's chain: each checker's output. A checker that fails
-        is banned (`CheckerFailed`)."""
+        is banned (`CheckerFailed`), unless it had only reclaimed the session we left idle there."""
         outs = []
         for i, hop in enumerate(shadow.hops):
             try:
@@ -294,7 +294,8 @@ class Verifier:
                 # the checker failed, not the hop: other checkers next time
                 logger.info("checking blocks %s at peer %s failed (%s)", hop.span, describe_peer(hop.peer),
                             reason_of(e))
-                self.client.ban(hop.peer, reason_of(e))
+                if reason_of(e) != "unknown_session":  # not a fault: the peer reclaimed our idle session
+                    self.client.ban(hop.peer, reason_of(e))
                 raise CheckerFailed from None
             outs.append(x)
         return outs

@@ -100,8 +100,9 @@ class SpanCache:
             del self.snapshots[later]
 
     @torch.inference_mode()
-    def copy(self, length: int) -> SpanCache:
-        """A new cache holding positions [0, `length`) of this one, sharing no tensor with it: attention keys
+    def copy(self, length: int, max_length: int | None = None) -> SpanCache:
+        """A new cache holding positions [0, `length`) of this one, of `max_length` (default: this one's), sharing
+        no tensor with it: attention keys
         and values cut at `length`; recurrent states as they were at `length` (the current ones, or a kept
         snapshot: any other length is a `BadRequest`, as for `rollback`), with the snapshots up to there."""
         if not 0 <= length <= self.length:
@@ -109,7 +110,8 @@ class SpanCache:
         if self.stateful and length not in (0, self.length) and length not in self.snapshots:
             raise BadRequest(f"blocks {self.span}: recurrent state is kept only at the ends of the last {SNAPSHOTS} "
                              f"steps ({sorted(self.snapshots)}) and at {self.length}, not at {length}")
-        new = SpanCache(self.span, self.batch_size, self.max_length, len(self.kinds), self.kinds, self.state_counts)
+        new = SpanCache(self.span, self.batch_size, max_length or self.max_length, len(self.kinds), self.kinds,
+                        self.state_counts)
         for mine, theirs in zip(self.own, new.own):
             if isinstance(mine, DynamicLayer) and mine.is_initialized:
                 theirs.keys, theirs.values = (t[..., :length, :].clone() for t in (mine.keys, mine.values))

@@ -131,36 +131,83 @@ def test_a_kept_session_the_peer_reclaimed_gives_the_same_text(net, apis):
 def test_the_budget_closes_the_least_recently_used_session(net, apis, tmp_path):
     model = apis["warm"].models.list().data[0].id
     small = gateway(net, "small", "--verify-fraction", "0", "--reuse-tokens", "150")
+    french, german = "You answer in French. " + SYSTEM, "You answer in German. " + SYSTEM  # ~100 tokens kept each
     try:
-        a = conversation(small, model, "You answer in French.", ["Say hello."])
-        b = conversation(small, model, "You answer in German.", ["Say hello."])
+        a = conversation(small, model, french, ["Say hello."])
+        b = conversation(small, model, german, ["Say hello."])
         assert api_metric(small, "swarm_api_kept_sessions") == 1
         assert api_metric(small, "swarm_api_kept_sessions_closed_total", {"reason": "budget"}) >= 1
-        # the first conversation's session went: its next turn is cold, the second's is not
-        a2 = conversation(small, model, "You answer in French.", ["Say hello.", "Say goodbye."])
-        b2 = conversation(small, model, "You answer in German.", ["Say hello.", "Say goodbye."])
-        assert a2[0][0] == a[0][0] and b2[0][0] == b[0][0]
-        assert a2[0][1] == 0 and b2[0][1] > 0
+        # the second conversation's session is kept: asked again, its prompt is not sent again
+        b2 = conversation(small, model, german, ["Say hello."])
+        # the first one's went: asked again, it is computed afresh, to the same answer
+        a2 = conversation(small, model, french, ["Say hello."])
+        assert (a2[0][0], b2[0][0]) == (a[0][0], b[0][0])
+        assert b2[0][1] > 0 and a2[0][1] == 0
     finally:
         net.stop("small")
 
 
-def test_a_kept_session_whose_peer_died_gives_the_same_text(net, apis):
-    """Last in the module: it kills a peer."""
+def together(calls) -> list:
+    """Run the calls at once, each in a thread; their results in order."""
+    results, errors = [None] * len(calls), []
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as e:  # raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_concurrent_conversations_with_one_system_prompt_compute_it_once(net, apis, demo_model_dir):
+    from transformers import AutoTokenizer
+
     model = apis["warm"].models.list().data[0].id
+    # unlike the kept sessions' system prompt from its first word: nothing kept shares its start
+    system = "Members may also book a meeting room for up to two hours a day. " + SYSTEM
+    questions = ["Can I book the meeting room?", "How long can I keep a book?"]
+    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
+               for m in asks]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    runs = {}
+    for name in ("cold", "warm"):
+        before = peer_tokens(net)
+        answers = together([lambda m=m: chat(apis[name], model, m) for m in asks])
+        runs[name] = answers, peer_tokens(net) - before
+    (cold, cold_tokens), (warm, warm_tokens) = runs["cold"], runs["warm"]
+    assert [text for text, _ in warm] == [text for text, _ in cold]
+    assert sorted(cached for _, cached in warm) == [0, shared]  # one computed it, the other forked it
+    assert warm_tokens == pytest.approx(cold_tokens - 2 * shared, abs=4)  # once on each of the two hops
+    assert api_metric(apis["warm"], "swarm_api_prefix_hits_total", {"kind": "fork"}) >= 1
+
+
+def test_a_kept_session_whose_peer_died_gives_the_same_text(net, apis):
+    """Last in the module: it kills a peer. A gateway of its own, the other one stopped (its kept sessions
+    closed), so that the one back peer holding a session holds this conversation's."""
+    model = apis["warm"].models.list().data[0].id
+    net.stop("warm")
+    solo = gateway(net, "solo", "--verify-fraction", "0")
     turns = ["Do you have a reading room?", "Which floor is it on?"]
     cold = conversation(apis["cold"], model, SYSTEM, turns)
+    backs = [net.procs["back1"], net.procs["back2"]]
+    wait_until(lambda: sum(metric(net.metrics_url(p), "swarm_peer_sessions_open") for p in backs) == 0, 30,
+               "the other gateways' sessions to close")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": turns[0]}]
-    first = chat(apis["warm"], model, messages)
-    holder = next(p for name in ("back1", "back2") if metric(net.metrics_url(p := net.procs[name]),
-                                                             "swarm_peer_sessions_open") > 0)
+    first = chat(solo, model, messages)
+    (holder,) = [p for p in backs if metric(net.metrics_url(p), "swarm_peer_sessions_open") > 0]
     net.stop(holder.name, sig=9)
     messages += [{"role": "assistant", "content": first[0]}, {"role": "user", "content": turns[1]}]
-    second = chat(apis["warm"], model, messages)
+    second = chat(solo, model, messages)
     assert [first[0], second[0]] == [text for text, _ in cold]
     assert second[1] > 0
-
-
-def test_concurrent_conversations_with_one_system_prompt_compute_it_once(net, apis):
-    pytest.skip("needs the peers' fork")
-    threading  # noqa: B018
+    assert api_metric(solo, "swarm_api_failovers_total") >= 1

@@ -75,6 +75,12 @@ def test_a_fork_goes_on_exactly_as_its_source_without_computing_the_prefix(targe
         loop.run(copy.close())
     grew = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     assert grew["swarm_peer_tokens_total"] == 1, "the forked prefix went through the blocks again"
+    longer = loop.run(fork(client, target, source.id, 5, max_length=2 * MAX_LENGTH))
+    try:  # a fork may hold more than its source: a conversation's next turn, longer than the last
+        past = torch.randn(1, MAX_LENGTH, 64, generator=torch.Generator().manual_seed(4))
+        assert loop.run(longer.step(past, 5)).shape == past.shape
+    finally:
+        loop.run(longer.close())
     assert grew["swarm_peer_sessions_forked_total"] == 1 and grew["swarm_peer_tokens_forked_total"] == PREFIX
     assert grew["swarm_peer_sessions_opened_total"] == 1
 

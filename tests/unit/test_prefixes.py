@@ -40,11 +40,20 @@ def test_longest_prefix_matches_a_linear_scan_under_random_inserts_and_removals(
             assert len(tree) == len(seqs)
 
 
+class Route:
+    def __init__(self):
+        self.resting = False
+
+    def rest(self):
+        self.resting = True
+
+
 class Session:
-    """What the pool reads of an inference session: whether it is closed, and closing it."""
+    """What the pool uses of an inference session: whether it is closed, closing it, its route's claims."""
 
     def __init__(self):
         self.closed = False
+        self.live = Route()
 
     async def close(self):
         self.closed = True
@@ -56,6 +65,7 @@ def test_a_request_takes_the_session_its_prompt_extends_and_forks_one_it_only_sh
         system = list(range(100, 100 + MIN_SHARED + 4))
         first = Session()
         assert pool.keep(first, system + [1, 2, 3])
+        assert first.live.resting  # a kept session does not count toward its peers' load
         start = pool.start(system + [1, 2, 3, 4, 5], reusable=True)  # the next turn: taken
         assert (start.session, start.position, start.fork) == (first, len(system) + 3, False)
         assert len(pool.kept) == 0
