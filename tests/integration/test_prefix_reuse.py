@@ -114,6 +114,27 @@ def test_a_multi_turn_chat_sends_each_turn_once_and_answers_as_a_cold_gateway(ne
     assert api_metric(apis["warm"], "swarm_api_prefix_hits_total", {"kind": "kept"}) >= 2
 
 
+def test_checks_are_forked_with_the_session(net, apis):
+    """With checks on, the back hop's replicas check each other: the next turn forks the hop's session at
+    one and its checker's at the other, and nothing is found wrong."""
+    model = apis["warm"].models.list().data[0].id
+    checked = gateway(net, "checked")  # checks on, as by default
+    try:
+        turns = ["What floor is the reading room on?", "And how many books can I borrow?"]
+        cold = conversation(apis["cold"], model, "Be brief. " + SYSTEM, turns)
+        backs = [net.metrics_url(net.procs[name]) for name in ("back1", "back2")]
+        first = conversation(checked, model, "Be brief. " + SYSTEM, turns[:1])
+        before = [metric(url, "swarm_peer_sessions_forked_total") for url in backs]
+        both = conversation(checked, model, "Be brief. " + SYSTEM, turns)
+        forked = [metric(url, "swarm_peer_sessions_forked_total") - b for url, b in zip(backs, before)]
+        assert [text for text, _ in both] == [text for text, _ in cold] and first[0][0] == cold[0][0]
+        assert both[0][1] > 0 and both[1][1] > 0
+        assert all(n >= 1 for n in forked), forked  # the hop's session at one replica, its checker's at the other
+        assert api_metric(checked, "swarm_api_failovers_total") == 0
+    finally:
+        net.stop("checked")
+
+
 def test_a_kept_session_the_peer_reclaimed_gives_the_same_text(net, apis):
     model = apis["warm"].models.list().data[0].id
     front = net.metrics_url(net.procs["front"])
