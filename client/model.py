@@ -40,6 +40,8 @@ from swarm.weights.models import Weights, open_weights
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_NEW_TOKENS = 20  # what transformers' generate makes when given no length at all
+
 
 def notice_to_stderr(message: str) -> None:
     """The SDK's default `on_wait`: one line on stderr."""
@@ -278,15 +280,31 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' generate for a session: assisted generation (`prompt_lookup_num_tokens`,
         `assistant_model`) gets the session as a cache it can crop."""
         def generate(ids, **kwargs):
-            if kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None:
+            if drafted_tokens(kwargs, self.generation_config) or kwargs.get("assistant_model") is not None:
                 kwargs.setdefault("cache", SwarmCache(remote))
             return super(DistributedModelForCausalLM, self).generate(ids, **kwargs)
 
         return generate
 
     def _max_length(self, prompt_length: int, kwargs: dict) -> int:
+        """The session length a call needs: the prompt, the tokens to generate, and room for the drafts of
+        prompt lookup. transformers bounds where those are copied from by max_length, not how many it drafts
+        (`PromptLookupCandidateGenerator`): a pass may verify `prompt_lookup_num_tokens` drafts after an input
+        of up to max_length - 2 tokens. (An assistant model's drafts stop at max_length - 1.)"""
         config = kwargs.get("generation_config") or self.generation_config
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
+        longest = kwargs.get("max_length", config.max_length)
         if new is not None:
-            return prompt_length + new
-        return max(kwargs.get("max_length", config.max_length), prompt_length + 1)
+            length = prompt_length + new
+        elif longest is not None:
+            length = max(longest, prompt_length + 1)
+        else:
+            length = prompt_length + DEFAULT_NEW_TOKENS
+        return length + drafted_tokens(kwargs, self.generation_config)
+
+
+def drafted_tokens(kwargs: dict, default: GenerationConfig) -> int:
+    """`prompt_lookup_num_tokens` of a generate call: its argument, else its generation config's, else 0."""
+    if kwargs.get("prompt_lookup_num_tokens") is not None:
+        return int(kwargs["prompt_lookup_num_tokens"])
+    return int((kwargs.get("generation_config") or default).prompt_lookup_num_tokens or 0)
