@@ -99,6 +99,7 @@ def test_prompt_lookup_up_to_max_new_tokens_stays_in_the_session(demo, demo_loca
         return await step(self, hidden, position, attention_mask)
 
     monkeypatch.setattr(InferenceSession, "step", spy)
+    monkeypatch.setattr(demo, "reuse_sessions", False)  # a session sized for this call only
     assert demo.generate(ids, prompt_lookup_num_tokens=8, **kwargs).tolist() == want
     assert max(ends) > ids.shape[1] + 64  # drafts were verified past max_length (what the session must hold)
 
