@@ -5,19 +5,35 @@
 the swarm. It is a `PreTrainedModel` with `GenerationMixin`, so greedy search, sampling, repetition
 penalties, stop strings, streamers and batches are transformers' code, unchanged.
 
-How generation drives a session: `generate()` opens an inference session (unless one is active) and
-transformers calls `forward` with the whole sequence so far (this model keeps no transformers cache).
-The session remembers the tokens it has processed; `forward` sends only the part after the longest
-common prefix, at the position where it starts, so a changed history rolls the peers' caches back.
+How generation drives a session: `generate()` runs in an inference session (the active one, else one
+it opens) and transformers calls `forward` with the whole sequence so far (this model keeps no
+transformers cache). The session remembers the tokens it has processed; `forward` sends only the part
+after the longest common prefix, at the position where it starts, so a changed history rolls the peers'
+caches back.
+
+Sessions kept across calls (`reuse_sessions`, on by default): a session `generate()` opened stays open
+after it (`kept_session`), and the next `generate()` outside an active session goes on in it when its
+input shares a first token with what the session holds (same batch size, same padding) and the call fits
+the session's `max_length`; otherwise the kept session is closed and a new one opened. A chat loop that
+passes the whole conversation to every `generate()` so sends the peers only each turn's new tokens. A
+session opened to be kept for one sequence has room beyond its call (`session_length`: the model's
+context, at most the peers' default `--max-length` of 4096; peers reserve cache as it is used, so room
+costs nothing up front). Routes take only peers announcing that much free cache; where none has it but
+the call's own length would find a route, the session is opened at that length instead. (Peers started
+with a lower `--max-length` refuse the room at open, and are avoided like any peer refusing a session:
+set `session_length` to their limit.) `last_reused_tokens` says how many tokens of the last call's input
+were not sent again (the position of its first step). `inference_session()`, `close_session()` and
+`close()` close the kept session.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,12 +49,20 @@ from client.inference.hops import output_floor
 from client.inference.routing import Hop
 from client.inference.session import Failover, InferenceSession
 from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
-from swarm.errors import BadRequest
+from swarm.errors import BadRequest, NoRoute
 from swarm.model.head import ModelHead
 from swarm.model.precision import Precision
 from swarm.weights.models import Weights, open_weights
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_NEW_TOKENS = 20  # what transformers' generate makes when given no length at all
+PEER_MAX_LENGTH = 4096  # peers' default --max-length: a session asking for more is refused by default peers
+
+
+def context_length(config) -> int:
+    """The model's context in tokens, at most `PEER_MAX_LENGTH` (as the API gateway takes it by default)."""
+    return min(int(getattr(config, "max_position_embeddings", None) or PEER_MAX_LENGTH), PEER_MAX_LENGTH)
 
 
 def notice_to_stderr(message: str) -> None:
@@ -51,14 +75,21 @@ class TokenSession:
 
     `step(new_ids)` appends tokens and returns their logits; `feed(all_ids)` takes the whole sequence
     and computes only what changed (what `generate` uses). Inside the `with`, `model.generate` continues
-    this session instead of opening its own."""
+    this session instead of opening its own.
 
-    def __init__(self, model: DistributedModelForCausalLM, max_length: int):
+    `fallback_length`: should the first step find no route with room for `max_length` tokens where one with
+    room for this many exists, the session is opened with this max_length instead and the step sent again.
+    `first_position`: where the first step since it was last set to None began (what was not sent again)."""
+
+    def __init__(self, model: DistributedModelForCausalLM, max_length: int, fallback_length: int | None = None):
         self.model = model
         self.session = InferenceSession(model.connection.client, max_length, on_wait=model.on_wait)
+        self.fallback_length = fallback_length if fallback_length is not None and fallback_length < max_length \
+            else None
         self.tokens: torch.Tensor | None = None  # ids processed so far [batch, length]
         self.last_ids: torch.Tensor | None = None  # the ids of the last `feed` (a rewind goes on from a prefix)
         self.mask: torch.Tensor | None = None
+        self.first_position: int | None = None
 
     @property
     def position(self) -> int:
@@ -80,28 +111,70 @@ class TokenSession:
 
     def feed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """Logits for the part of `input_ids` [batch, length] after its common prefix with the session (only
-        of its last `logits_to_keep` positions, when that is an int above 0; of those indices, as a tensor)."""
+        """Logits for the part of `input_ids` [batch, length] after its common prefix with the session; with
+        `logits_to_keep`, for its last positions (an int above 0) or those indices (a tensor) only, positions
+        the session held already being run again (assisted generation may verify drafts it holds)."""
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise BadRequest(f"input ids must be [batch, tokens >= 1], got {list(input_ids.shape)}")
-        if attention_mask is not None and bool(attention_mask.all()) and self.mask is None:
-            attention_mask = None
+        attention_mask = self._mask_of(attention_mask)
         self.last_ids = input_ids
-        if self.tokens is not None and self.tokens.shape[1] > self.session.length:  # rolled back under us (a rewind)
-            self.tokens = self.tokens[:, :self.session.length]
-            self.mask = None if self.mask is None else self.mask[:, :self.session.length]
-        keep = self._common_prefix(input_ids, attention_mask)
+        keep = self.shared_prefix(input_ids, attention_mask)
         keep = min(keep, input_ids.shape[1] - 1)  # at least one token runs, to give logits
+        if isinstance(logits_to_keep, torch.Tensor):  # indices into `input_ids`: those positions run again
+            logits_to_keep = logits_to_keep % input_ids.shape[1]
+            keep = min(keep, int(logits_to_keep.min())) if logits_to_keep.numel() else keep
+            logits_to_keep = logits_to_keep - keep
+        elif logits_to_keep > 0:  # the last positions' logits, whether or not the session holds them already
+            keep = max(0, min(keep, input_ids.shape[1] - logits_to_keep))
         hidden = self.model.head.embed(input_ids[:, keep:], keep, attention_mask)
         try:
-            out = self.model.connection.run(self.session.step(hidden, keep, attention_mask))
+            out = self._step(hidden, keep, attention_mask)
         except BaseException:
             if self.tokens is not None:  # the session now holds only the common prefix
                 self.tokens = self.tokens[:, :min(keep, self.session.length)]
                 self.mask = None if self.mask is None else self.mask[:, :self.tokens.shape[1]]
             raise
         self.tokens, self.mask = input_ids.clone(), None if attention_mask is None else attention_mask.clone()
+        if self.first_position is None:
+            self.first_position = keep
         return self.model.head.logits(kept_positions(out, logits_to_keep))
+
+    def _mask_of(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask as the session compares it: none when it masks nothing and the session's masks nothing."""
+        return None if attention_mask is not None and bool(attention_mask.all()) and self.mask is None \
+            else attention_mask
+
+    def _step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
+        try:
+            return self.model.connection.run(self.session.step(hidden, position, mask))
+        except NoRoute as e:
+            # the room asked for is the one thing that may keep a route out of reach: else the same error
+            if self.fallback_length is None or self.session.route or \
+                    not self.model.connection.run(self._routable(hidden.shape[0] * self.fallback_length)):
+                raise
+            logger.info("no route for a session of %d tokens (%s); opening one of %d", self.session.max_length, e,
+                        self.fallback_length)
+            self.close()
+            self.session = InferenceSession(self.model.connection.client, self.fallback_length,
+                                            on_wait=self.model.on_wait)
+            self.fallback_length = None
+            return self.model.connection.run(self.session.step(hidden, position, mask))
+
+    async def _routable(self, cache_tokens: int) -> bool:
+        """Whether the client's view (just read by the failed route) has a route with this much cache room."""
+        client = self.model.connection.client
+        try:
+            client.find(client.span, cache_tokens)
+        except NoRoute:
+            return False
+        return True
+
+    def shared_prefix(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> int:
+        """How many first tokens of `ids` (with `mask`) the session holds: what a `feed` of them would not send."""
+        if self.tokens is not None and self.tokens.shape[1] > self.session.length:  # rolled back under us (a rewind)
+            self.tokens = self.tokens[:, :self.session.length]
+            self.mask = None if self.mask is None else self.mask[:, :self.session.length]
+        return self._common_prefix(ids, self._mask_of(mask))
 
     def _common_prefix(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int:
         if self.tokens is None or self.tokens.shape[0] != ids.shape[0]:
@@ -183,16 +256,22 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.active_session: TokenSession | None = None
         # told (on the client's event loop) when a session starts to wait for blocks to be served again
         self.on_wait: Callable[[str], None] | None = notice_to_stderr
+        self.reuse_sessions = True  # keep generate()'s session for the next call (module docstring)
+        self.session_length = context_length(config)  # the max_length of a session opened to be kept (batch 1)
+        self.kept_session: TokenSession | None = None
+        self.last_reused_tokens = 0  # tokens of the last generate()'s input the session held already
 
     @classmethod
     def from_pretrained(cls, model: str | Path | Weights, initial_peers=(), *, model_id: str | None = None,
                         revision: str | None = None, dtype: str | None = None, config: ClientConfig | None = None,
-                        **options) -> DistributedModelForCausalLM:
+                        reuse_sessions: bool = True, **options) -> DistributedModelForCausalLM:
         """`model`: a hub repo id (`org/name`, `org/name@revision`; only the config, tokenizer files and
         the head's shards are fetched) or a local checkpoint directory (its config and head tensors are
         read; its blocks are not). `model_id`: the model's name in the swarm (default: the repo id, or
         the directory's own name, as peers use). Routes only chain peers serving these exact weights.
-        `config` and `options`: settings of `ClientConfig` (deadlines, retries, ...)."""
+        `reuse_sessions`: keep a `generate()`'s session for the next call (the module docstring; the
+        attribute of the same name can be changed later). `config` and `options`: settings of
+        `ClientConfig` (deadlines, retries, ...)."""
         given = {"initial_peers": tuple(initial_peers), "model_id": model_id, "dtype": dtype, "revision": revision}
         config = dataclasses.replace(config or ClientConfig(), **{k: v for k, v in given.items() if v}, **options)
         weights = model if isinstance(model, Weights) else \
@@ -207,6 +286,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
             connection.client  # noqa: B018 - waits for the join, raising its error
             self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)
+            self.reuse_sessions = reuse_sessions
             if (Path(model) / "generation_config.json").exists():
                 self.generation_config = GenerationConfig.from_pretrained(model)
         except BaseException:
@@ -220,7 +300,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return False  # the caches live on the peers
 
     def close(self) -> None:
-        self.connection.close()
+        """Close the kept session, if any, then the connection to the swarm."""
+        try:
+            self.close_session()
+        finally:
+            self.connection.close()
+
+    def close_session(self) -> None:
+        """Close the session kept from the last `generate()` (`reuse_sessions`), if any: its peers free its cache
+        now rather than when they find it idle."""
+        kept, self.kept_session = self.kept_session, None
+        if kept is not None:
+            kept.close()
 
     def __enter__(self) -> DistributedModelForCausalLM:
         return self
@@ -235,7 +326,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return self.head.lm_head
 
     def inference_session(self, max_length: int) -> TokenSession:
-        """A session whose caches on the peers hold up to `max_length` tokens per sequence."""
+        """A session whose caches on the peers hold up to `max_length` tokens per sequence. The session kept from
+        an earlier `generate()` is closed first: inside `with`, `generate()` goes on in this one."""
+        self.close_session()
         return TokenSession(self, max_length)
 
     def route(self) -> list[Hop]:
@@ -265,28 +358,87 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return super().prepare_inputs_for_generation(input_ids, next_sequence_length=None, **kwargs)
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """transformers' `generate`, in an inference session sized for this call (or the active one)."""
+        """transformers' `generate`, in the active session, else in the session kept from the last call if it
+        holds a prefix of `inputs` and has room for this call, else in a new one (kept after the call when
+        `reuse_sessions` is on, closed otherwise). See the module docstring."""
         ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if ids is None or args:
             raise BadRequest("generate needs input ids (and takes its other arguments by name)")
-        if self.active_session is not None:
-            return checked_generate(self._generate_in(self.active_session), self.active_session, ids, kwargs)
-        with self.inference_session(max_length=self._max_length(ids.shape[1], kwargs)) as remote:
+        with self._session_of_call(ids, kwargs) as remote:
+            # called from here, so that an unchecked-output warning names the caller's line
             return checked_generate(self._generate_in(remote), remote, ids, kwargs)
+
+    @contextlib.contextmanager
+    def _session_of_call(self, ids: torch.Tensor, kwargs: dict) -> Iterator[TokenSession]:
+        """The session a `generate()` runs in, active while it runs; `last_reused_tokens` is set at its end."""
+        remote, owned, keep = self.active_session, self.active_session is None, self.reuse_sessions
+        if owned:
+            needed = self._max_length(ids.shape[1], kwargs)
+            remote = self._kept_for(ids, kwargs.get("attention_mask"), needed) if keep else \
+                self.inference_session(needed)
+            self.active_session = remote
+        remote.first_position = None
+        try:
+            yield remote
+        except BaseException:
+            if owned and keep:
+                self._drop_kept()  # interrupted or failed half-way: start afresh next time
+            raise
+        finally:
+            self.last_reused_tokens = remote.first_position or 0
+            if owned:
+                self.active_session = None
+                if not keep:
+                    remote.close()
+
+    def _drop_kept(self) -> None:
+        try:
+            self.close_session()
+        except Exception as e:  # noqa: BLE001 - the caller raises its own error; peers reclaim an idle session
+            logger.debug("closing the kept session failed: %s", e)
+
+    def _kept_for(self, ids: torch.Tensor, mask: torch.Tensor | None, needed: int) -> TokenSession:
+        """The kept session if it holds a prefix of `ids` and has room for `needed` tokens, else a new one, kept."""
+        kept = self.kept_session
+        if kept is not None and not kept.session.closed and needed <= kept.session.max_length \
+                and kept.shared_prefix(ids, mask) > 0:
+            return kept
+        self.close_session()
+        # room to grow in (a conversation) for one sequence; a batch asks for what it needs, as each of its
+        # sequences would need the room on every peer
+        room = self.session_length if ids.shape[0] == 1 else 0
+        self.kept_session = TokenSession(self, max(needed, room), fallback_length=needed)
+        return self.kept_session
 
     def _generate_in(self, remote: TokenSession) -> Callable:
         """transformers' generate for a session: assisted generation (`prompt_lookup_num_tokens`,
         `assistant_model`) gets the session as a cache it can crop."""
         def generate(ids, **kwargs):
-            if kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None:
+            if drafted_tokens(kwargs, self.generation_config) or kwargs.get("assistant_model") is not None:
                 kwargs.setdefault("cache", SwarmCache(remote))
             return super(DistributedModelForCausalLM, self).generate(ids, **kwargs)
 
         return generate
 
     def _max_length(self, prompt_length: int, kwargs: dict) -> int:
+        """The session length a call needs: the prompt, the tokens to generate, and room for the drafts of
+        prompt lookup. transformers bounds where those are copied from by max_length, not how many it drafts
+        (`PromptLookupCandidateGenerator`): a pass may verify `prompt_lookup_num_tokens` drafts after an input
+        of up to max_length - 2 tokens. (An assistant model's drafts stop at max_length - 1.)"""
         config = kwargs.get("generation_config") or self.generation_config
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
+        longest = kwargs.get("max_length", config.max_length)
         if new is not None:
-            return prompt_length + new
-        return max(kwargs.get("max_length", config.max_length), prompt_length + 1)
+            length = prompt_length + new
+        elif longest is not None:
+            length = max(longest, prompt_length + 1)
+        else:
+            length = prompt_length + DEFAULT_NEW_TOKENS
+        return length + drafted_tokens(kwargs, self.generation_config)
+
+
+def drafted_tokens(kwargs: dict, default: GenerationConfig) -> int:
+    """`prompt_lookup_num_tokens` of a generate call: its argument, else its generation config's, else 0."""
+    if kwargs.get("prompt_lookup_num_tokens") is not None:
+        return int(kwargs["prompt_lookup_num_tokens"])
+    return int((kwargs.get("generation_config") or default).prompt_lookup_num_tokens or 0)

@@ -37,9 +37,9 @@ def replicated(tmp_path_factory, tiny_llama):
 @pytest.fixture(scope="module")
 def remote(replicated, tiny_llama):
     # no checked outputs: these tests time the stream token by token, which a check would hold back (the failover
-    # of checked sessions is in test_trust)
+    # of checked sessions is in test_trust); a session per generation: each test counts its own failovers
     model = DistributedModelForCausalLM.from_pretrained(tiny_llama, replicated.bootstrap_addrs, model_id=MODEL_ID,
-                                                        verify_fraction=0)
+                                                        verify_fraction=0, reuse_sessions=False)
     yield model
     model.close()
 

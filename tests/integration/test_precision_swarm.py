@@ -110,9 +110,10 @@ def generate(model, streamer=None) -> list[int]:
 def test_failover_with_compressed_activations_is_exact(mixed, tiny_llama):
     with DistributedModelForCausalLM.from_pretrained(
             tiny_llama, mixed.bootstrap_addrs, model_id=MODEL_ID, wire="float16", prefill_wire="int8",
-            prefill_wire_tokens=4, min_precision="float32", verify_fraction=0) as remote:
+            prefill_wire_tokens=4, min_precision="float32", verify_fraction=0, reuse_sessions=False) as remote:
         # no checked outputs: they hold tokens back from the streamer, so the fault could strike only after the
-        # last step (the failover of checked sessions is in test_trust)
+        # last step (the failover of checked sessions is in test_trust); a session per generation: the faulted
+        # one's failovers and reroutes are its own
         plain = generate(remote)
         session_wire = remote.connection.client.encodings([])
         assert (session_wire.decode, session_wire.prefill) == ("float16", "int8")

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.cli import stream_answer
 from client.generation import stop_token_ids
+from client.inference.session import InferenceSession
 from client.model import DistributedModelForCausalLM
 from swarm.weights.models import local_model_id
 from swarm_harness import Fault, MODEL_ID, replicated_swarm
@@ -52,9 +53,9 @@ def demo_local(demo_model_dir):
     return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
 
 
-def copy_prompt(demo_model_dir) -> torch.Tensor:
+def copy_prompt(demo_model_dir, text: str = COPY) -> torch.Tensor:
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
-    return tokenizer.apply_chat_template([{"role": "user", "content": COPY}], add_generation_prompt=True,
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
 
 
@@ -74,6 +75,33 @@ def test_an_assistant_model_through_the_swarm_equals_plain_greedy(demo, demo_loc
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
     want = demo_local.generate(ids, **kwargs).tolist()
     assert demo.generate(ids, assistant_model=demo_local, **kwargs).tolist() == want
+
+
+PARAGRAPH = ("Copy the following text exactly, word for word: Every morning the baker opens her shop on the corner of "
+             "Main Street at six o'clock. She bakes bread, rolls and small cakes, and the smell fills the whole street. "
+             "Children stop on their way to school to look through the window, and old men sit on the bench outside "
+             "with their coffee, talking about the weather and the news of the day.")
+
+
+def test_prompt_lookup_up_to_max_new_tokens_stays_in_the_session(demo, demo_local, demo_model_dir, monkeypatch):
+    """A user's report: a chat prompt of about 110 tokens copying a paragraph, 64 new tokens, 8 drafted by prompt
+    lookup, failed with `BadRequest: 175 tokens exceed the session's max_length 174`. transformers bounds where its
+    prompt lookup copies from by max_length, not how many tokens it drafts: a pass may verify 8 drafts after the
+    last input, past max_length. A session sized for this call alone must leave room for them."""
+    ids = copy_prompt(demo_model_dir, PARAGRAPH)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, pad_token_id=0)
+    want = demo_local.generate(ids, **kwargs).tolist()
+    ends = []
+    step = InferenceSession.step
+
+    async def spy(self, hidden, position=None, attention_mask=None):
+        ends.append((self.length if position is None else position) + hidden.shape[1])
+        return await step(self, hidden, position, attention_mask)
+
+    monkeypatch.setattr(InferenceSession, "step", spy)
+    monkeypatch.setattr(demo, "reuse_sessions", False)  # a session sized for this call only
+    assert demo.generate(ids, prompt_lookup_num_tokens=8, **kwargs).tolist() == want
+    assert max(ends) > ids.shape[1] + 64  # drafts were verified past max_length (what the session must hold)
 
 
 def answer(model, tokenizer, speculate: int, **sampling) -> tuple[str, dict]:
