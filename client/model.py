@@ -13,17 +13,14 @@ caches back.
 
 Sessions kept across calls (`reuse_sessions`, on by default): a session `generate()` opened stays open
 after it (`kept_session`), and the next `generate()` outside an active session goes on in it when its
-input shares a first token with what the session holds (same batch size, same padding) and the call fits
-the session's `max_length`; otherwise the kept session is closed and a new one opened. A chat loop that
-passes the whole conversation to every `generate()` so sends the peers only each turn's new tokens. A
-session opened to be kept for one sequence has room beyond its call (`session_length`: the model's
-context, at most the peers' default `--max-length` of 4096; peers reserve cache as it is used, so room
-costs nothing up front). Routes take only peers announcing that much free cache; where none has it but
-the call's own length would find a route, the session is opened at that length instead. (Peers started
-with a lower `--max-length` refuse the room at open, and are avoided like any peer refusing a session:
-set `session_length` to their limit.) `last_reused_tokens` says how many tokens of the last call's input
-were not sent again (the position of its first step). `inference_session()`, `close_session()` and
-`close()` close the kept session.
+input shares a first token with what the session holds (same batch size, same padding); otherwise the kept
+session is closed and a new one opened. A chat loop that passes the whole conversation to every
+`generate()` so sends the peers only each turn's new tokens. A session is sized for its call (its input and
+new tokens); when the next call needs more room, the peers copy the kept session's caches up to what the
+call shares into a session long enough (`client.inference.fork`) and the old one closes: nothing is
+computed again. `last_reused_tokens` says how many tokens of the last call's input were not sent again
+(the position of its first step). `inference_session()`, `close_session()` and `close()` close the kept
+session.
 """
 
 from __future__ import annotations
@@ -47,9 +44,10 @@ from client.connection import SwarmConnection
 from client.inference.forward import forward
 from client.inference.hops import output_floor
 from client.inference.routing import Hop
+from client.inference.fork import can_fork, fork
 from client.inference.session import Failover, InferenceSession
 from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
-from swarm.errors import BadRequest, NoRoute
+from swarm.errors import BadRequest
 from swarm.model.head import ModelHead
 from swarm.model.precision import Precision
 from swarm.weights.models import Weights, open_weights
@@ -57,12 +55,6 @@ from swarm.weights.models import Weights, open_weights
 logger = logging.getLogger(__name__)
 
 DEFAULT_NEW_TOKENS = 20  # what transformers' generate makes when given no length at all
-PEER_MAX_LENGTH = 4096  # peers' default --max-length: a session asking for more is refused by default peers
-
-
-def context_length(config) -> int:
-    """The model's context in tokens, at most `PEER_MAX_LENGTH` (as the API gateway takes it by default)."""
-    return min(int(getattr(config, "max_position_embeddings", None) or PEER_MAX_LENGTH), PEER_MAX_LENGTH)
 
 
 def notice_to_stderr(message: str) -> None:
@@ -77,15 +69,12 @@ class TokenSession:
     and computes only what changed (what `generate` uses). Inside the `with`, `model.generate` continues
     this session instead of opening its own.
 
-    `fallback_length`: should the first step find no route with room for `max_length` tokens where one with
-    room for this many exists, the session is opened with this max_length instead and the step sent again.
-    `first_position`: where the first step since it was last set to None began (what was not sent again)."""
+    `first_position`: where the first step since it was last set to None began (what was not sent again).
+    `session`: an inference session to go on in instead of a new one (a fork, `longer`)."""
 
-    def __init__(self, model: DistributedModelForCausalLM, max_length: int, fallback_length: int | None = None):
+    def __init__(self, model: DistributedModelForCausalLM, max_length: int, session: InferenceSession | None = None):
         self.model = model
-        self.session = InferenceSession(model.connection.client, max_length, on_wait=model.on_wait)
-        self.fallback_length = fallback_length if fallback_length is not None and fallback_length < max_length \
-            else None
+        self.session = session or InferenceSession(model.connection.client, max_length, on_wait=model.on_wait)
         self.tokens: torch.Tensor | None = None  # ids processed so far [batch, length]
         self.last_ids: torch.Tensor | None = None  # the ids of the last `feed` (a rewind goes on from a prefix)
         self.mask: torch.Tensor | None = None
@@ -145,29 +134,21 @@ class TokenSession:
             else attention_mask
 
     def _step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
-        try:
-            return self.model.connection.run(self.session.step(hidden, position, mask))
-        except NoRoute as e:
-            # the room asked for is the one thing that may keep a route out of reach: else the same error
-            if self.fallback_length is None or self.session.route or \
-                    not self.model.connection.run(self._routable(hidden.shape[0] * self.fallback_length)):
-                raise
-            logger.info("no route for a session of %d tokens (%s); opening one of %d", self.session.max_length, e,
-                        self.fallback_length)
-            self.close()
-            self.session = InferenceSession(self.model.connection.client, self.fallback_length,
-                                            on_wait=self.model.on_wait)
-            self.fallback_length = None
-            return self.model.connection.run(self.session.step(hidden, position, mask))
+        return self.model.connection.run(self.session.step(hidden, position, mask))
 
-    async def _routable(self, cache_tokens: int) -> bool:
-        """Whether the client's view (just read by the failed route) has a route with this much cache room."""
-        client = self.model.connection.client
-        try:
-            client.find(client.span, cache_tokens)
-        except NoRoute:
-            return False
-        return True
+    def longer(self, shared: int, max_length: int) -> TokenSession:
+        """A session of `max_length` holding this one's first `shared` tokens, copied by the peers (`fork`); this
+        one is closed. Where it cannot be forked (it holds less now), a new session."""
+        inner = self.session
+        session = None
+        if can_fork(inner, shared):
+            session = self.model.connection.run(fork(inner, shared, max_length))
+        new = TokenSession(self.model, max_length, session)
+        if session is not None:
+            new.tokens = self.tokens[:, :shared].clone()
+            new.mask = None if self.mask is None else self.mask[:, :shared].clone()
+        self.close()
+        return new
 
     def shared_prefix(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> int:
         """How many first tokens of `ids` (with `mask`) the session holds: what a `feed` of them would not send."""
@@ -257,7 +238,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         # told (on the client's event loop) when a session starts to wait for blocks to be served again
         self.on_wait: Callable[[str], None] | None = notice_to_stderr
         self.reuse_sessions = True  # keep generate()'s session for the next call (module docstring)
-        self.session_length = context_length(config)  # the max_length of a session opened to be kept (batch 1)
         self.kept_session: TokenSession | None = None
         self.last_reused_tokens = 0  # tokens of the last generate()'s input the session held already
 
@@ -398,16 +378,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             logger.debug("closing the kept session failed: %s", e)
 
     def _kept_for(self, ids: torch.Tensor, mask: torch.Tensor | None, needed: int) -> TokenSession:
-        """The kept session if it holds a prefix of `ids` and has room for `needed` tokens, else a new one, kept."""
+        """The kept session if it holds a prefix of `ids` (forked into a longer one if it lacks room for `needed`
+        tokens), else a new one, kept."""
         kept = self.kept_session
-        if kept is not None and not kept.session.closed and needed <= kept.session.max_length \
-                and kept.shared_prefix(ids, mask) > 0:
+        shared = 0 if kept is None or kept.session.closed else kept.shared_prefix(ids, mask)
+        if shared > 0 and needed <= kept.session.max_length:
             return kept
+        if shared > 0:
+            self.kept_session = kept.longer(min(shared, ids.shape[1] - 1), needed)
+            return self.kept_session
         self.close_session()
-        # room to grow in (a conversation) for one sequence; a batch asks for what it needs, as each of its
-        # sequences would need the room on every peer
-        room = self.session_length if ids.shape[0] == 1 else 0
-        self.kept_session = TokenSession(self, max(needed, room), fallback_length=needed)
+        self.kept_session = TokenSession(self, needed)
         return self.kept_session
 
     def _generate_in(self, remote: TokenSession) -> Callable:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from client.model import DistributedModelForCausalLM, context_length, drafted_tokens
+from client.model import DistributedModelForCausalLM, drafted_tokens
 
 pytestmark = pytest.mark.models
 
@@ -50,4 +50,3 @@ def test_lengths_a_call_needs():
     assert needed(110, max_new_tokens=64, generation_config=GenerationConfig(prompt_lookup_num_tokens=4)) == 178
     assert needed(10) == 30 and needed(30, max_length=50) == 50  # transformers' default: 20 new tokens
     assert drafted_tokens({}, GenerationConfig()) == 0
-    assert [context_length(SimpleNamespace(max_position_embeddings=n)) for n in (256, 8192, None)] == [256, 4096, 4096]
