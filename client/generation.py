@@ -144,6 +144,8 @@ class Generation:
         self.cached = 0  # prompt tokens its session held when it began (reused), not sent again
         self.reuse = ""  # how: "kept" (a finished request's session), "fork" (a copy of a session's prefix) or ""
         self.prefilled = asyncio.Event()  # set once its whole prompt has run: forks of it may begin
+        self.start_used = False  # whether `start` was looked at (else its owner releases it: `client.api.reuse`)
+        self.source_closing: asyncio.Task | None = None  # the close of a taken session it forked and let go
         self.made: list[list[int]] = []  # each step's tokens, one per choice
 
     @property
@@ -169,7 +171,12 @@ class Generation:
         s, prompt = self.sampling, len(self.prompt)
         started = time.perf_counter()
         sampler = Sampler(s, self.head.vocab_size, self.prompt)
-        session = self.session = await self._session(prompt + max(s.max_tokens, 1))
+        try:
+            session = self.session = await self._session(prompt + max(s.max_tokens, 1))
+        except BaseException:
+            self.prefilled.set()  # forks waiting for this prompt stop waiting: it will not run
+            raise
+        session.owner = self
         earlier = len(session.failovers)  # a kept session's, from the requests before
         made = self.made
         saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
@@ -248,19 +255,24 @@ class Generation:
         """The session to run in: the start's, rolled back or forked (`cached` prompt tokens it holds), or new.
         A taken session too short for this request is forked into one long enough, then closed."""
         start, prompt = self.start, len(self.prompt)
+        self.start_used = True
         position = 0 if start is None else min(start.position, prompt - 1)  # at least one prompt token runs
         if start is None or position <= 0:
+            if start is not None:
+                self.release_start()
             return InferenceSession(self.client, max_length)
         if not start.fork:  # taken: this request's own
             source = start.session
-            if not source.closed and source.length >= position and source.max_length >= max_length:
+            source.owner = self  # a fork of it for a request still running it is refused from now on
+            if not source.closed and source.length >= position and source.max_length >= max_length \
+                    and not source.forking:
                 self.cached, self.reuse = position, "kept"
                 source.live.resume()  # its peers count it toward their load again
                 return source
-            try:
+            try:  # too short (or being copied): forked into a long enough one, then closed
                 return await self._fork(source, position, max_length, "kept")
             finally:
-                self.closing = asyncio.ensure_future(source.close())
+                self.source_closing = asyncio.ensure_future(source.close())
         if start.ready is not None and not start.ready.is_set():
             try:
                 await asyncio.wait_for(start.ready.wait(), READY_WAIT_S)
@@ -268,12 +280,23 @@ class Generation:
                 pass
         try:
             source = start.session or start.of.session
-            if source is None:
+            # a running request's session holds its prompt while that request runs it: not once another took it
+            if source is None or (start.of is not None and source.owner is not start.of):
                 return InferenceSession(self.client, max_length)
             return await self._fork(source, position, max_length, "fork")
         finally:
             if start.forked is not None:
                 start.forked()
+
+    def release_start(self) -> None:
+        """Let go of a start not used: close a taken session, unpin a kept one being forked."""
+        start, self.start = self.start, None
+        if start is None:
+            return
+        if not start.fork:
+            self.source_closing = asyncio.ensure_future(start.session.close())
+        elif start.forked is not None:
+            start.forked()
 
     async def _fork(self, source: InferenceSession, position: int, max_length: int, how: str) -> InferenceSession:
         if not can_fork(source, position):

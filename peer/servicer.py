@@ -195,7 +195,8 @@ class Servicer:
                                    session.max_length, session.encodings,
                                    self.sessions.available(session.client, time.monotonic()),
                                    self.precision.dtype, self.precision.quant,
-                                   self.precision.device_kind, session.push_key).to_message()
+                                   self.precision.device_kind, session.push_key,
+                                   request.fork_length).to_message()
             if msg.type == wire.STEP:
                 if session is None:
                     raise UnknownSession("no session is open on this stream: send 'open' first")

@@ -88,8 +88,10 @@ class Gateway:
         self.server: http.HttpServer | None = None
         self.keepalive_s = KEEPALIVE_S
         self.metrics = ApiMetrics(self)
-        self.reuse = {m.model_id: Reuse(config.reuse_tokens, config.reuse_seconds, self.metrics, m.model_id)
-                      for m in models}  # sessions kept for prompts that begin the same way, per model
+        # sessions kept for prompts that begin the same way, per model; not for recurrent layers, whose state
+        # cannot return to where two prompts part
+        self.reuse = {m.model_id: Reuse(0 if m.recurrent else config.reuse_tokens, config.reuse_seconds,
+                                        self.metrics, m.model_id) for m in models}
 
     def app(self) -> web.Application:
         app = http.make_app(self.limits)
@@ -328,10 +330,11 @@ class Gateway:
                 self.slots.release()
                 await runs.close()
                 for gen in gens:
-                    self.reuse[model].ended(gen)
-                    if gen.closing is not None:
-                        self.closing.add(gen.closing)
-                        gen.closing.add_done_callback(self.closing.discard)
+                    self.reuse[model].ended(gen)  # first: it may close a start the generation never used
+                    for task in (gen.closing, gen.source_closing):
+                        if task is not None:
+                            self.closing.add(task)
+                            task.add_done_callback(self.closing.discard)
         except (asyncio.CancelledError, ClientGone) as e:
             self.metrics.cancelled.inc()
             logger.info("%s: client went away after %d tokens (%s); generation cancelled", endpoint,
@@ -362,7 +365,7 @@ class Gateway:
         """A generation, starting where a kept or running session holds the most of its prompt
         (`client.api.reuse`)."""
         reuse = self.reuse[served.model_id]
-        reusable = reuse.on and sampling.n == 1 and not sampling.prompt_logprobs
+        reusable = reuse.on and sampling.n == 1 and not sampling.prompt_logprobs and sampling.max_tokens > 0
         gen = Generation(served.client, served.head, served.tokenizer, self.executor, prompt, sampling,
                          served.end_tokens, start=reuse.start(prompt, reusable),
                          keep=reuse.keep if reusable else None)

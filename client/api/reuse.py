@@ -76,11 +76,13 @@ class Reuse:
         kept_items, kept_len = self.kept.longest(prompt)
         run_items, run_len = self.running.longest(prompt)
         kept = max((k for k in kept_items if k in self.kept.sequences), key=lambda k: k.used_at, default=None)
-        if kept is not None and kept_len > 0 and kept_len >= len(kept.tokens) - TAKE_SLACK and not kept.forks:
+        if kept is not None and kept_len > 0 and kept_len >= len(kept.tokens) - TAKE_SLACK and not kept.forks \
+                and not kept.session.forking:
             self.kept.remove(kept)  # the next turn of its conversation: taken, it is this request's now
             return Start(kept.session, kept_len)
         sources = sorted(run_items, key=lambda g: (not g.prefilled.is_set(), g.session is None))
-        if sources and run_len >= max(MIN_SHARED, kept_len if kept is not None else 0):
+        # a kept session sharing as much is forked rather than a running one: it is pinned until copied
+        if sources and run_len >= MIN_SHARED and (kept is None or run_len > kept_len):
             # its session may not be open yet: the fork waits for its prompt to have run
             return Start(None, run_len, fork=True, ready=sources[0].prefilled, of=sources[0])
         if kept is not None and kept_len >= MIN_SHARED:
@@ -99,7 +101,10 @@ class Reuse:
             self.running.insert(gen, gen.prompt)
 
     def ended(self, gen: Generation) -> None:
+        """`gen` is over: not a source of forks any more; a start it never looked at is let go."""
         self.running.remove(gen)
+        if not gen.start_used:
+            gen.release_start()
 
     def keep(self, session: InferenceSession, tokens: list[int]) -> bool:
         """Keep a finished request's session (True), unless reuse is off or it holds too little."""
@@ -108,12 +113,14 @@ class Reuse:
         session.live.rest()  # idle: it does not count toward its peers' load while kept
         self.kept.insert(Kept(session, list(tokens)), tokens)
         self.expire()
+        asyncio.get_running_loop().call_later(self.max_seconds + 0.5, self.expire)  # closed in time when idle
         return True
 
     def expire(self) -> None:
         """Close kept sessions unused for `max_seconds`, then the least recently used beyond `max_tokens`."""
         now = time.monotonic()
-        by_age = sorted((k for k in self.kept.sequences if not k.forks), key=lambda k: k.used_at)
+        by_age = sorted((k for k in self.kept.sequences if not k.forks and not k.session.forking),
+                        key=lambda k: k.used_at)
         total = self.kept_tokens
         for kept in by_age:
             if now - kept.used_at <= self.max_seconds and total <= self.max_tokens:

@@ -36,6 +36,7 @@ class ServedModel:
     path: Path | None = field(default=None, compare=False)
     digest: str | None = None  # the weights of its head: routes only through peers with the same
     floor: float = output_floor()  # the spread under which its hidden states are degenerate (`hops.output_floor`)
+    recurrent: bool = False  # some layer keeps a recurrent state: caches return only to recent step ends
 
     @property
     def vocab_size(self) -> int:
@@ -146,4 +147,5 @@ async def load(weights, config: ApiConfig, client_config: ClientConfig) -> Serve
     end_tokens = stop_token_ids(tokenizer, generation_config)
     await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
     return ServedModel(model_id, None, head, tokenizer, context_length_of(ckpt.config, config.context_length),
-                       end_tokens, ckpt.num_blocks, Path(path), weights.digest, output_floor(ckpt.config))
+                       end_tokens, ckpt.num_blocks, Path(path), weights.digest, output_floor(ckpt.config),
+                       ckpt.recurrent)

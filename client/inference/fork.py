@@ -40,13 +40,23 @@ def can_fork(source: InferenceSession, length: int) -> bool:
 
 async def fork(source: InferenceSession, length: int, max_length: int | None = None) -> InferenceSession:
     """A session holding the source's positions `[0, length)` (module docstring), of `max_length` (default:
-    the source's). `BadRequest` if the source does not hold them (`can_fork`)."""
+    the source's). `BadRequest` if the source does not hold them (`can_fork`). The source's `forking` counts
+    it until the peers have copied it."""
     if not can_fork(source, length):
         raise BadRequest(f"the session does not hold {length} positions to fork")
     max_length = max_length or source.max_length
     if max_length < length:
         raise BadRequest(f"a fork of {length} positions needs a max_length of at least that, got {max_length}")
     session = InferenceSession(source.client, max_length, on_wait=source.on_wait)
+    source.forking += 1  # until the peers have copied it: whoever holds it must not roll it back
+    try:
+        return await _fork(source, session, length, max_length)
+    finally:
+        source.forking -= 1
+
+
+async def _fork(source: InferenceSession, session: InferenceSession, length: int,
+                max_length: int) -> InferenceSession:
     src, live = source.live, session.live
     # the copies are taken before anything is awaited: the source may step on meanwhile
     live.batch, live.encodings = src.batch, src.encodings

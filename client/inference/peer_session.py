@@ -60,6 +60,9 @@ class PeerSession:
                                     fork=fork_id, fork_length=fork_length)
             reply = await exchange(stream, request.to_message(), timeout)
             opened = decode_reply(messages.Opened, reply, peer, "open")
+            if fork_length is not None and opened.forked != fork_length:  # an older peer: an empty session
+                raise BadRequest(f"peer {peer} opened session {opened.session} without copying {fork_id}: it cannot "
+                                 "fork sessions")
         except BaseException:
             await stream.aclose()
             raise

@@ -93,6 +93,8 @@ class InferenceSession:
         self.relay_next = False  # after a rewind, later hops hold more than the session: the next step is relayed
         self.hop_inputs = {"sent": 0, "pushed": 0}  # hop inputs the client sent, and those a peer pushed on
         self.pipelined = 0  # steps that went through the route in chunks (`client.inference.pipeline`)
+        self.owner: object | None = None  # whose steps it runs now (a caller's mark: a kept session changes hands)
+        self.forking = 0  # forks of it being made (`client.inference.fork`): it must not roll back meanwhile
 
     @property
     def route(self) -> list[Hop]:

@@ -37,14 +37,15 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from client.inference.arbiter import Verdict, distances, settle
 from client.inference.encodings import REPLAY_ENCODING
 from client.inference.failures import reason_of
-from client.inference.hops import Inputs
+from client.inference.hops import IDLE_REOPEN_S, Inputs
 from client.inference.peer_session import PeerSession
 from client.inference.routing import Hop
 from swarm.errors import Disputed, SwarmError, Unchecked
@@ -93,6 +94,7 @@ class Shadow:
     verified: int = 0
     task: asyncio.Task | None = None
     cut: int = 0  # while a check runs: the lowest length the session was rolled back to since it began
+    used_at: float = field(default_factory=time.monotonic)  # when its sessions last answered a step
 
     @property
     def peers(self) -> set[str]:
@@ -280,7 +282,7 @@ class Verifier:
     async def _through(self, shadow: Shadow, x: torch.Tensor, start: int,
                        mask: torch.Tensor | None) -> list[torch.Tensor]:
         """`x` (positions from `start`) through the shadow's chain: each checker's output. A checker that fails
-        is banned (`CheckerFailed`), unless it had only reclaimed the session we left idle there."""
+        is banned (`CheckerFailed`), unless it had only reclaimed the session we left idle there (`_reclaimed`)."""
         outs = []
         for i, hop in enumerate(shadow.hops):
             try:
@@ -294,10 +296,11 @@ class Verifier:
                 # the checker failed, not the hop: other checkers next time
                 logger.info("checking blocks %s at peer %s failed (%s)", hop.span, describe_peer(hop.peer),
                             reason_of(e))
-                if reason_of(e) != "unknown_session":  # not a fault: the peer reclaimed our idle session
+                if not _reclaimed(reason_of(e), time.monotonic() - shadow.used_at):
                     self.client.ban(hop.peer, reason_of(e))
                 raise CheckerFailed from None
             outs.append(x)
+        shadow.used_at = time.monotonic()
         return outs
 
     async def _check(self, span: Span, shadow: Shadow, length: int) -> None:
@@ -412,6 +415,17 @@ class Verifier:
                 shadow.outputs[i] = Inputs(out, self.max_length)
             else:
                 shadow.outputs[i].append(out)
+
+
+def _reclaimed(reason: str, idle_s: float) -> bool:
+    """Whether a checker's failure is its peer ending a session we left idle (a kept one: `client.api.reuse`)
+    rather than a fault: the session was unknown after `RECLAIMABLE_S`, or the stream gone after
+    `IDLE_REOPEN_S`, as a session's own link is judged (`Route.expired`)."""
+    return (reason == "unknown_session" and idle_s >= RECLAIMABLE_S) or \
+        (reason == "connection_lost" and idle_s >= IDLE_REOPEN_S)
+
+
+RECLAIMABLE_S = 5.0  # a peer may reclaim a session silent this long for another (peers' --reclaim-idle default)
 
 
 class CheckerFailed(Exception):

@@ -237,6 +237,13 @@ class Checkpoint:
                            returns=probe.returns, embed_dim=embeddings.embedding_dim,
                            head_modules=frozenset(probe.head_modules), peer_modules=frozenset(probe.peer_modules))
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (its cache returns only to the ends of recent steps)."""
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return any(kind in RECURRENT_KINDS for kind in get_layer_types_and_kwargs(self.text_config)[0])
+
     def _session_cache(self, span, batch: int = 1):
         from transformers.cache_utils import get_layer_types_and_kwargs
 

@@ -195,12 +195,14 @@ class Opened:
     quant: str = "none"
     device: str = "cpu"
     push_key: str = ""  # the session's secret for push tags (`swarm.net.integrity`)
+    forked: int | None = None  # a fork: the positions copied (a peer that cannot fork leaves it out)
 
     def to_message(self) -> Message:
         return Message(OPENED, {"session": self.session, "start": self.start, "end": self.end, "batch": self.batch,
                                 "max_length": self.max_length, "encodings": list(self.encodings),
                                 "cache_tokens_left": self.cache_tokens_left, "dtype": self.dtype,
-                                "quant": self.quant, "device": self.device, "push_key": self.push_key})
+                                "quant": self.quant, "device": self.device, "push_key": self.push_key,
+                                **_given(forked=self.forked)})
 
     @classmethod
     def from_message(cls, msg: Message) -> Opened:
@@ -210,7 +212,8 @@ class Opened:
         return cls(_str(f, "session", MAX_ID_CHARS), start, _int(f, "end", start + 1, 2**20), _int(f, "batch", 1, 2**20),
                    _int(f, "max_length", 1, 2**31), _encodings(f, "encodings"),
                    _int(f, "cache_tokens_left", 0, 2**62), _str(f, "dtype", 16, "float32"),
-                   _str(f, "quant", 16, "none"), _str(f, "device", 16, "cpu"), _hex(f, "push_key", KEY_CHARS))
+                   _str(f, "quant", 16, "none"), _str(f, "device", 16, "cpu"), _hex(f, "push_key", KEY_CHARS),
+                   _int(f, "forked", 1, 2**31, None))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def test_a_fork_goes_on_exactly_as_its_source_without_computing_the_prefix(targe
     nxt, later = (torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(seed)) for seed in (2, 3))
     before = counters(url)
     copy = loop.run(fork(client, target, source.id, PREFIX))
+    assert copy.opened.forked == PREFIX  # what an older peer, which cannot fork, leaves out
     try:
         got = loop.run(copy.step(nxt, PREFIX))
         after = counters(url)

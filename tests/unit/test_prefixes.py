@@ -54,6 +54,7 @@ class Session:
     def __init__(self):
         self.closed = False
         self.live = Route()
+        self.forking = 0
 
     async def close(self):
         self.closed = True

@@ -38,6 +38,7 @@ MESSAGES = [
     messages.Open("tiny", 2, 5, 128, 2, ("bfloat16", "int8", "float32")),
     messages.Open("tiny", 2, 5, 128, 2, ("float32",), fork="s12-" + "0f" * 12, fork_length=128),
     messages.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda", KEY),
+    messages.Opened("s1-ab", 2, 5, 2, 128, ("float32",), 900, "bfloat16", "int8", "cuda", KEY, forked=12),
     messages.Step(7, 3, hidden("float16"), wire.blob_of(torch.ones(2, 6, dtype=torch.bool)),
               (messages.ChainHop(PEER, "s2-cd", 4, TAG),)),
     messages.Step(0, 0, hidden("int8")),
