@@ -110,7 +110,7 @@ def test_response_bodies_carry_tool_calls_whole_and_streamed():
     tools = Tools((WEATHER, TIME), "auto", parallel=False)
     gen = SimpleNamespace(choices=[choice('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
                                           '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>')],
-                          prompt_tokens=5, completion_tokens=9, unchecked=[])
+                          prompt_tokens=5, completion_tokens=9, unchecked=[], cached=0)
     whole = ResponseBodies("chat.completion", "m", 1, tools=tools).whole([gen])
     c = whole["choices"][0]
     assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
@@ -126,6 +126,6 @@ def test_response_bodies_carry_tool_calls_whole_and_streamed():
     assert deltas[-1]["delta"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
     assert deltas[-1]["delta"]["tool_calls"][0]["index"] == 0
     plain = ResponseBodies("chat.completion", "m", 1, tools=tools).whole([SimpleNamespace(
-        choices=[choice("It is sunny.")], prompt_tokens=1, completion_tokens=1, unchecked=[])])
+        choices=[choice("It is sunny.")], prompt_tokens=1, completion_tokens=1, unchecked=[], cached=0)])
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
     assert plain["choices"][0]["finish_reason"] == "stop"
