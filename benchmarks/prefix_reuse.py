@@ -9,8 +9,9 @@ seen by the client, from sending the request to the first content chunk.
    tokens (so each turn adds about 175 prompt tokens). First-token time per turn, median over `--repeats`
    conversations (each run on both gateways, one after the other, with different texts).
 2. Conversations sharing a 1,000-token system prompt: one request alone (its first token is the cold
-   figure), then `--concurrent` conversations at once, each with its own question. Their first-token times
-   (median, slowest) and the tokens the peers ran through their blocks in that round, on each gateway.
+   figure), then one more, then `--concurrent` at once, each with its own question. Their first-token
+   times (median, slowest) and the tokens the peers ran through their blocks in each round, on each
+   gateway. (Run first, on peers that hold nothing yet.)
 3. Memory: the cache tokens the peers hold once the requests are done (kept sessions), in bytes.
 
     python benchmarks/prefix_reuse.py [--turns 6] [--repeats 3] [--concurrent 8]
@@ -48,6 +49,12 @@ from swarm.weights.models import local_model_id  # noqa: E402
 TEXT = (REPO / "tests" / "data" / "english.txt").read_text().split()
 ANSWER_TOKENS = 24
 SPANS = ("0:10", "10:20", "20:30")
+
+
+def cpu_flags() -> str:
+    """The CPU's vector and matrix extensions that matter for these kernels (avx2, avx512 VNNI and bf16, AMX)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    return " ".join(f for f in ("avx2", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags) or "none of note"
 
 
 def words(start: int, tokens: int, tokenizer) -> str:
@@ -93,31 +100,35 @@ def chat_turns(clients: dict, model: str, tokenizer, turns: int, repeats: int) -
     return times
 
 
-def shared_round(client: openai.OpenAI, model: str, system: str, concurrent: int, tag: int,
-                 peers: list[str]) -> dict:
-    """One request alone, then `concurrent` at once, all with `system`: first-token times and peer tokens."""
-    ask = [f"Question {tag}-{i}: what is the main idea of the text above, in one sentence?" for i in range(concurrent)]
+def shared_rounds(client: openai.OpenAI, model: str, system: str, counts: list[int], tag: int,
+                  peers: list[str]) -> dict:
+    """One request alone with `system`, then rounds of `count` requests at once with it, each with its own
+    question: first-token times, and the tokens the peers ran for each round."""
     alone, _ = first_token(client, model, [{"role": "system", "content": system},
                                            {"role": "user", "content": f"Question {tag}: who wrote it?"}])
-    before = sum(metric(p, "swarm_peer_tokens_total") for p in peers)
-    results, errors = [], []
+    rounds = {}
+    for count in counts:
+        before = sum(metric(p, "swarm_peer_tokens_total") for p in peers)
+        results, errors = [], []
 
-    def one(question: str) -> None:
-        try:
-            results.append(first_token(client, model, [{"role": "system", "content": system},
-                                                        {"role": "user", "content": question}])[0])
-        except Exception as e:  # reported below: a benchmark with failures is not a result
-            errors.append(e)
+        def one(question: str) -> None:
+            try:
+                results.append(first_token(client, model, [{"role": "system", "content": system},
+                                                            {"role": "user", "content": question}])[0])
+            except Exception as e:  # reported below: a benchmark with failures is not a result
+                errors.append(e)
 
-    threads = [threading.Thread(target=one, args=(q,)) for q in ask]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed; first: {errors[0]!r}")
-    tokens = sum(metric(p, "swarm_peer_tokens_total") for p in peers) - before
-    return {"alone": alone, "median": statistics.median(results), "slowest": max(results), "tokens": tokens}
+        threads = [threading.Thread(target=one, args=(f"Question {tag}-{count}-{i}: what is the main idea of the "
+                                                      "text above, in one sentence?",)) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed; first: {errors[0]!r}")
+        rounds[count] = {"median": statistics.median(results), "slowest": max(results),
+                         "tokens": sum(metric(p, "swarm_peer_tokens_total") for p in peers) - before}
+    return {"alone": alone, "rounds": rounds}
 
 
 def main() -> None:
@@ -129,7 +140,8 @@ def main() -> None:
     path = prepare_demo_model(default_demo_dir(cache_home()))
     model_id = local_model_id(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    per_token = Checkpoint(path).cache_bytes_per_token(torch.float32) / len(SPANS)  # a third of the blocks each
+    ckpt = Checkpoint(path)
+    per_token = ckpt.cache_bytes_per_token(torch.float32) * ckpt.num_blocks / len(SPANS)  # a third of the blocks each
     with tempfile.TemporaryDirectory(prefix="swarm-bench-") as root, LocalSwarm(Path(root)) as net:
         net.start_bootstrap()
         procs = [net.start_peer(f"peer{i}", path, "--blocks", span, "--model-id", model_id, "--threads",
@@ -145,24 +157,27 @@ def main() -> None:
             clients[name] = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         for client in clients.values():  # warm-up: routes measured, threads started
             first_token(client, model_id, [{"role": "user", "content": "Hello."}])
+        system = "You answer questions about this text. " + words(20000, 1000, tokenizer)
+        system_tokens = len(tokenizer(system).input_ids)
+        counts = sorted({1, args.concurrent})
+        shared = {}
+        for tag, name in enumerate(("warm", "cold")):
+            shared[name] = shared_rounds(clients[name], model_id, system, counts, tag, peers)
+            print(f"{name}: {shared[name]}", flush=True)
         turns = chat_turns(clients, model_id, tokenizer, args.turns, args.repeats)
         for t in range(args.turns):
             print(f"turn {t + 1}: " + ", ".join(f"{n} {statistics.median(turns[n][t]) * 1e3:.0f} ms" for n in turns),
                   flush=True)
-        system = "You answer questions about this text. " + words(20000, 1000, tokenizer)
-        system_tokens = len(tokenizer(system).input_ids)
-        shared = {}
-        for tag, name in enumerate(("warm", "cold")):
-            shared[name] = shared_round(clients[name], model_id, system, args.concurrent, tag, peers)
-            print(f"{name}: {shared[name]}", flush=True)
         used = sum(metric(p, "swarm_peer_cache_tokens_used") for p in peers)
         kept = metric(net.procs["warm"].extra["url"].removesuffix("/v1") + "/metrics", "swarm_api_kept_tokens")
+    ratio = shared["warm"]["rounds"][args.concurrent]["tokens"] / shared["cold"]["rounds"][args.concurrent]["tokens"]
     lines = [
         "### Prompt reuse through the API: conversations that do not pay twice",
         "",
         f"Machine: {machine()}. Demo model (SmolLM2-135M-Instruct) on a bootstrap and 3 peers [0:10) [10:20) "
         f"[20:30) on 127.0.0.1, two gateways in front: reuse on (the default) and off (`--reuse-tokens 0`). "
-        "Streaming chat requests with the `openai` package, greedy; first token as the client sees it.",
+        f"CPU flags: {cpu_flags()}. Streaming chat requests with the `openai` package, greedy; first token as the "
+        "client sees it.",
         "",
         f"A chat of {args.turns} turns, each user message about 150 tokens and each answer at most {ANSWER_TOKENS} "
         f"(about 175 new prompt tokens per turn); first token per turn, median of {args.repeats} conversations:",
@@ -173,20 +188,24 @@ def main() -> None:
             f"{statistics.median(turns[n][t]) * 1e3:.0f} ms" for t in range(args.turns)) +
           f" | {statistics.median(turns[n][-1]) / statistics.median(turns[n][0]):.2f}x |" for n in ("warm", "cold")),
         "",
-        f"{args.concurrent} conversations sharing a {system_tokens}-token system prompt, started at once after one "
-        "request alone with it; first token, and the tokens the 3 peers ran through their blocks for the "
-        f"{args.concurrent}:",
+        f"Conversations sharing a {system_tokens}-token system prompt, each with its own question: one request "
+        "alone (the first with it: nothing to reuse), then 1, then "
+        f"{args.concurrent} at once; first token, and the tokens the 3 peers ran through their blocks for each "
+        "round (prompts and the 24 answer tokens):",
         "",
-        "| reuse | one request alone | the concurrent ones, median | slowest | median / cold alone | peers' tokens |",
-        "|---|---|---|---|---|---|",
-        *(f"| {'on' if n == 'warm' else 'off'} | {r['alone'] * 1e3:.0f} ms | {r['median'] * 1e3:.0f} ms | "
-          f"{r['slowest'] * 1e3:.0f} ms | {r['median'] / shared['cold']['alone']:.2f}x | {r['tokens']:.0f} |"
-          for n, r in shared.items()),
+        "| reuse | first request alone | requests at once | first token, median | slowest | median / cold alone "
+        "| peers' tokens |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {'on' if n == 'warm' else 'off'} | {r['alone'] * 1e3:.0f} ms | {count} | {x['median'] * 1e3:.0f} ms | "
+          f"{x['slowest'] * 1e3:.0f} ms | {x['median'] / shared['cold']['alone']:.2f}x | {x['tokens']:.0f} |"
+          for n, r in shared.items() for count, x in r["rounds"].items()),
         "",
-        f"Peers' tokens with reuse / without: {shared['warm']['tokens'] / shared['cold']['tokens']:.3f}. "
+        f"Peers' tokens with reuse / without, {args.concurrent} at once: {ratio:.3f}. "
         f"Held afterwards: the gateway keeps {kept:.0f} tokens of finished sessions (`--reuse-tokens` bounds it, "
-        f"32,768 by default); the peers hold {used:.0f} cache tokens, about {used * per_token / 2**20:.0f} MiB "
-        f"({per_token / 1024:.0f} KiB per token per peer in float32, reserved in chunks of 128 tokens).",
+        f"32,768 by default); the 3 peers hold {used:.0f} cache tokens together, about "
+        f"{used * per_token / 2**20:.0f} MiB "
+        f"({per_token / 1024:.0f} KiB per token per peer in float32, reserved in chunks of 128 tokens; an idle kept "
+        "session is reclaimed by a peer short of room for another client).",
         "",
         f"Command: `.venv/bin/python benchmarks/prefix_reuse.py --turns {args.turns} --repeats {args.repeats} "
         f"--concurrent {args.concurrent}`",

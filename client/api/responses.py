@@ -184,7 +184,8 @@ def _value(logprob: float) -> float:
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:
-    """OpenAI's usage figures (with cached prompt tokens), and `unchecked_blocks` when some blocks had no other peer to check them."""
+    """OpenAI's usage figures (with cached prompt tokens), and `unchecked_blocks` when some blocks had no other
+    peer to check them."""
     prompt = sum(g.prompt_tokens for g in gens)
     completion = sum(g.completion_tokens for g in gens)
     figures = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

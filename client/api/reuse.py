@@ -10,8 +10,9 @@ same model begins where the most of its prompt is already computed (`start`):
 - a kept session that shares only part of the prompt (the same system prompt, another conversation) is
   *forked* there (`client.inference.fork`): the peers copy its caches up to that position, and it stays
   kept for its own conversation;
-- a running request whose prompt shares at least `MIN_SHARED` tokens is forked too, once its prompt has run:
-  so concurrent requests with one system prompt have it computed once per peer.
+- a running request whose prompt shares at least `MIN_SHARED` tokens (that many more than any kept session) is
+  forked too, once its prompt has run: so concurrent requests with one system prompt have it computed once
+  per peer.
 
 Requests of several choices (`n` > 1: one session of that batch) and those scoring their prompt (every
 position's outputs are needed) start afresh; their sessions are not kept.
@@ -81,8 +82,9 @@ class Reuse:
             self.kept.remove(kept)  # the next turn of its conversation: taken, it is this request's now
             return Start(kept.session, kept_len)
         sources = sorted(run_items, key=lambda g: (not g.prefilled.is_set(), g.session is None))
-        # a kept session sharing as much is forked rather than a running one: it is pinned until copied
-        if sources and run_len >= MIN_SHARED and (kept is None or run_len > kept_len):
+        # a running request is forked only if it shares clearly more than any kept session: its fork waits for
+        # its prompt to run, and then for the copy (forks of forks would wait in a chain)
+        if sources and run_len >= MIN_SHARED + (kept_len if kept is not None else 0):
             # its session may not be open yet: the fork waits for its prompt to have run
             return Start(None, run_len, fork=True, ready=sources[0].prefilled, of=sources[0])
         if kept is not None and kept_len >= MIN_SHARED:

@@ -99,16 +99,15 @@ def conversation(client, model, system: str, turns: list[str], pause: float = 0.
 
 def test_a_multi_turn_chat_sends_each_turn_once_and_answers_as_a_cold_gateway(net, apis):
     model = apis["warm"].models.list().data[0].id
+    before = peer_tokens(net)
     cold = conversation(apis["cold"], model, SYSTEM, TURNS)
+    cold_tokens = peer_tokens(net) - before
     before = peer_tokens(net)
     warm = conversation(apis["warm"], model, SYSTEM, TURNS)
     warm_tokens = peer_tokens(net) - before
     assert [text for text, _ in warm] == [text for text, _ in cold]
     assert all(cached == 0 for _, cached in cold)
     assert warm[0][1] == 0 and all(cached > 40 for _, cached in warm[1:])  # the earlier turns were not sent again
-    before = peer_tokens(net)
-    conversation(apis["cold"], model, SYSTEM, TURNS)
-    cold_tokens = peer_tokens(net) - before
     saved = sum(cached for _, cached in warm) * 2  # each prompt token goes through both hops
     assert warm_tokens == pytest.approx(cold_tokens - saved, abs=4)
     assert api_metric(apis["warm"], "swarm_api_prefix_hits_total", {"kind": "kept"}) >= 2
