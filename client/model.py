@@ -117,7 +117,7 @@ class TokenSession:
             keep = max(0, min(keep, input_ids.shape[1] - logits_to_keep))
         hidden = self.model.head.embed(input_ids[:, keep:], keep, attention_mask)
         try:
-            out = self._step(hidden, keep, attention_mask)
+            out = self.model.connection.run(self.session.step(hidden, keep, attention_mask))
         except BaseException:
             if self.tokens is not None:  # the session now holds only the common prefix
                 self.tokens = self.tokens[:, :min(keep, self.session.length)]
@@ -132,9 +132,6 @@ class TokenSession:
         """The mask as the session compares it: none when it masks nothing and the session's masks nothing."""
         return None if attention_mask is not None and bool(attention_mask.all()) and self.mask is None \
             else attention_mask
-
-    def _step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.model.connection.run(self.session.step(hidden, position, mask))
 
     def longer(self, shared: int, max_length: int) -> TokenSession:
         """A session of `max_length` holding this one's first `shared` tokens, copied by the peers (`fork`); this

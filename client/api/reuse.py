@@ -76,7 +76,7 @@ class Reuse:
             return None
         kept_items, kept_len = self.kept.longest(prompt)
         run_items, run_len = self.running.longest(prompt)
-        kept = max((k for k in kept_items if k in self.kept.sequences), key=lambda k: k.used_at, default=None)
+        kept = max(kept_items, key=lambda k: k.used_at, default=None)
         if kept is not None and kept_len > 0 and kept_len >= len(kept.tokens) - TAKE_SLACK and not kept.forks \
                 and not kept.session.forking:
             self.kept.remove(kept)  # the next turn of its conversation: taken, it is this request's now
@@ -98,9 +98,8 @@ class Reuse:
         kept.forks = max(0, kept.forks - 1)
 
     def began(self, gen: Generation) -> None:
-        """`gen` runs: its prompt may be forked once it has run (one choice, its prompt not scored)."""
-        if self.on and gen.sampling.n == 1:
-            self.running.insert(gen, gen.prompt)
+        """`gen`, a reusable request (`start`), runs: its prompt may be forked once it has run."""
+        self.running.insert(gen, gen.prompt)
 
     def ended(self, gen: Generation) -> None:
         """`gen` is over: not a source of forks any more; a start it never looked at is let go."""

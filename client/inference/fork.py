@@ -107,8 +107,7 @@ async def _fork_shadow(verifier: Verifier, span, shadow: Shadow, sources: list) 
 def _verifier(source: Verifier, session: InferenceSession, length: int) -> tuple[Verifier, list[tuple]]:
     """The source's checks as they stood for positions `[0, length)`, for the fork's route (the same hops):
     shadows that had verified some of them (with no sessions yet: `_fork_shadow` forks the source's, listed
-    with each shadow),
-    disputes and outputs of replaced peers there, and the hops no one could check."""
+    with each shadow), disputes and outputs of replaced peers there, and the hops no one could check."""
     live = session.live
     verifier = Verifier(source.client, source.fraction, session.rng, session.max_length, live.batch, live.views,
                         live.formats, source.require_checked)
@@ -132,5 +131,4 @@ def _verifier(source: Verifier, session: InferenceSession, length: int) -> tuple
 
 
 def _copy(inputs: Inputs, length: int, max_length: int) -> Inputs:
-    view = inputs.view()[:, :length]
-    return Inputs(view.clone(), max_length)
+    return Inputs(inputs.view()[:, :length], max_length)  # Inputs copies into a buffer of its own

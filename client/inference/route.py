@@ -85,10 +85,10 @@ class Route:
             self.release(link)
 
     def resume(self) -> None:
-        for link in self.links:
-            if not link.claimed:
-                link.claimed = True
-                self.client.claim([link.hop])
+        resting = [link for link in self.links if not link.claimed]
+        for link in resting:
+            link.claimed = True
+        self.client.claim([link.hop for link in resting])
 
     def swap(self, i: int, hops: list[Hop]) -> tuple[str, ...]:
         """Links for `hops` in place of link `i`, whose span they cover (its session is left to the caller);

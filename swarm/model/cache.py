@@ -102,9 +102,9 @@ class SpanCache:
     @torch.inference_mode()
     def copy(self, length: int, max_length: int | None = None) -> SpanCache:
         """A new cache holding positions [0, `length`) of this one, of `max_length` (default: this one's), sharing
-        no tensor with it: attention keys
-        and values cut at `length`; recurrent states as they were at `length` (the current ones, or a kept
-        snapshot: any other length is a `BadRequest`, as for `rollback`), with the snapshots up to there."""
+        no tensor with it: attention keys and values cut at `length`; recurrent states as they were at `length`
+        (the current ones, or a kept snapshot: any other length is a `BadRequest`, as for `rollback`), with the
+        snapshots up to there."""
         if not 0 <= length <= self.length:
             raise BadRequest(f"cannot copy {length} positions of the cache of span {self.span}: it holds {self.length}")
         if self.stateful and length not in (0, self.length) and length not in self.snapshots:
