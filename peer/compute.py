@@ -18,7 +18,12 @@ from swarm.errors import BadRequest, UnknownSession
 from swarm.model.precision import Precision
 from swarm.span import Span
 
-PAD_SLACK = 64  # tokens of padding a batched forward may add to any session regardless of the ratio
+# A step of more tokens than this runs as jobs of at most this many (`Prefill`), so that other sessions' decode
+# steps run between them: a long prompt delays them by one chunk at most, not by its whole prefill. The
+# servicer sizes chunks by the peer's measured prefill speed (`chunk_tokens`); this is the size without one.
+PREFILL_CHUNK = 128
+PREFILL_TURN_S = 0.05  # seconds of compute a chunk takes at most, by the measured prefill speed ...
+MIN_CHUNK = 32  # ... but never fewer tokens than this (each chunk reads every weight once)
 # A stateless forward runs as jobs of at most this many token-rows x blocks each (one row and one block at
 # least), so other clients' steps run between them: 0.35 s of one demo-model CPU thread, where an 18.9 MB
 # forward through 10 demo blocks takes 14 s whole. Rows and blocks see the same inputs either way (on the
@@ -26,17 +31,12 @@ PAD_SLACK = 64  # tokens of padding a batched forward may add to any session reg
 FORWARD_JOB_TOKENS = 2048
 
 
-def similar_lengths(shared: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
-    """Split (item, cache) pairs into groups of similar cache length: a batched forward pads every cache to
-    the longest of its group (a temporary copy), so a long session never makes short ones copy its length.
-    Within a group the longest is at most twice the shortest plus `PAD_SLACK` tokens."""
-    groups: list[list[tuple[int, Any]]] = []
-    for pair in sorted(shared, key=lambda p: p[1].length):
-        if groups and pair[1].length <= 2 * groups[-1][0][1].length + PAD_SLACK:
-            groups[-1].append(pair)
-        else:
-            groups.append([pair])
-    return groups
+def chunk_tokens(prefill_tps: float | None) -> int:
+    """Tokens of one prefill chunk: `PREFILL_TURN_S` of compute at `prefill_tps` tokens/s through the span (a
+    multiple of 16, at least `MIN_CHUNK`); `PREFILL_CHUNK` without a measurement."""
+    if not prefill_tps or prefill_tps <= 0:
+        return PREFILL_CHUNK
+    return max(MIN_CHUNK, int(PREFILL_TURN_S * prefill_tps) // 16 * 16)
 
 
 def decode_inputs(hidden: messages.Hidden, mask: wire.Blob | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,13 +86,17 @@ class Compute:
         if length > cache.length:
             raise BadRequest(f"'fork_length' {length} is past the end of session {source.id}: it holds {cache.length} "
                              "positions")
-        session.cache, session.blocks = cache.copy(length, session.max_length), source.blocks
+        session.cache, session.blocks = cache.fork(length, session.max_length), source.blocks
+
+    def prefill(self, session: ServedSession, step: messages.Step, chunk: int) -> Prefill:
+        """A step of many tokens as jobs of at most `chunk` tokens each (`Prefill`)."""
+        return Prefill(self, session, step, chunk)
 
     def batch(self, items: list[tuple[ServedSession, messages.Step]]) -> list[Any]:
         """One-token steps of several sessions (`step`'s arguments each).
 
-        Steps at their cache's end share one forward; a step that rolls back runs alone; a bad step fails
-        alone. Per item: `step`'s result or the item's error. compute_ms of a shared forward is the whole
+        Steps at their cache's end share one forward, however different their lengths (each attends over its
+        own history: `SpanBlocks.decode_batch`); a step that rolls back runs alone; a bad step fails alone. Per item: `step`'s result or the item's error. compute_ms of a shared forward is the whole
         forward's time, the same for every session in it.
         """
         results: list[Any] = [None] * len(items)
@@ -112,26 +116,23 @@ class Compute:
                     results[i] = self.step(session, step)
             except Exception as e:  # boundary: one item's error goes to its own session only
                 results[i] = e
-        for group in similar_lengths(shared):
-            if len(group) == 1:
-                try:
-                    results[group[0][0]] = self.step(*items[group[0][0]])
-                except Exception as e:  # boundary: as above
-                    results[group[0][0]] = e
-                continue
+        if len(shared) == 1:
+            try:
+                results[shared[0][0]] = self.step(*items[shared[0][0]])
+            except Exception as e:  # boundary: as above
+                results[shared[0][0]] = e
+        elif shared:
             started = time.perf_counter()
             try:
-                outs = blocks.decode_batch([(cache, *inputs[i]) for i, cache in group])
+                outs = blocks.decode_batch([(cache, *inputs[i]) for i, cache in shared])
             except Exception as e:  # boundary: every session of a failed forward gets its error; caches untouched
-                for i, _ in group:
-                    results[i] = e
-                continue
+                return [e if r is None else r for r in results]
             compute_ms = (time.perf_counter() - started) * 1e3
             if self.on_batch is not None:
-                self.on_batch(len(group))
-            for (i, cache), out in zip(group, outs):
+                self.on_batch(len(shared))
+            for (i, cache), out in zip(shared, outs):
                 results[i] = (messages.Hidden.encode(out, items[i][1].hidden.encoding), compute_ms, cache.length,
-                              len(group))
+                              len(shared))
         return results
 
     def forward(self, span: Span, forward: messages.Forward) -> Forward:
@@ -181,3 +182,33 @@ class Forward:
         if i < len(self.parts) - 1:
             return None
         return messages.Hidden.encode(torch.cat(self.done), self.request.hidden.encoding), self.ms
+
+
+class Prefill:
+    """A step of many tokens run as parts of at most `chunk` tokens, each by `run(i)` as one job of the compute
+    thread, in order; the last returns what `Compute.step` returns for the whole step. The session's cache
+    advances part by part: a part that fails leaves it at the end of the parts before it (the client's next
+    step at the step's position rolls it back)."""
+
+    def __init__(self, compute: Compute, session: ServedSession, step: messages.Step, chunk: int):
+        self.compute, self.session, self.step = compute, session, step
+        tokens = step.hidden.shape[1]
+        self.parts = [(a, min(a + chunk, tokens)) for a in range(0, tokens, chunk)]
+        self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.outs: list[torch.Tensor] = []
+        self.ms = 0.0
+
+    def run(self, i: int) -> tuple[messages.Hidden, float, int, int] | None:
+        session, step = self.session, self.step
+        cache, blocks = session.cache, session.blocks  # read once: the event loop drops them if it closes
+        self.compute._check_open(session)
+        if self.inputs is None:
+            self.inputs = decode_inputs(step.hidden, step.mask)
+        (x, mask), (a, b) = self.inputs, self.parts[i]
+        started = time.perf_counter()
+        self.outs.append(blocks(x[:, a:b], cache, step.position + a,
+                                None if mask is None else mask[:, :step.position + b]))
+        self.ms += (time.perf_counter() - started) * 1e3
+        if i < len(self.parts) - 1:
+            return None
+        return messages.Hidden.encode(torch.cat(self.outs, dim=1), step.hidden.encoding), self.ms, cache.length, 1

@@ -12,11 +12,10 @@ argument tuples; it returns one result or exception per job, and each job's futu
 A batch of one runs as a plain job (`fn(*args)`). A `Batch` with key None is never batched; it only
 names the job's owner.
 
-Waiting for company: when the last call of a key was a batch of two or more owners, the worker holding
-the next job of that key waits until those owners have queued a job too, but never while a job of
-another kind is queued, and at most `BATCH_WAIT_SHARE` of that last call's time (`max_batch_wait` at
-most). Without it, sessions that decode together split into a batch of the first to arrive and a batch
-of the rest, and stay split. A batch that shrinks (a session left) costs that one wait.
+Continuous batching: a batch is whatever is queued when the worker takes its head job; it never waits for
+sessions that shared the last one. Sessions that decode together through a chain of peers therefore spread
+along it (each peer computes whichever steps are there), rather than moving as one block while the other
+peers idle.
 
 Fair order across clients: every job names its client (the authenticated peer that asked for it; None
 for the peer's own work). The worker takes the oldest job of the client that has used the least compute,
@@ -56,9 +55,6 @@ logger = logging.getLogger(__name__)
 # Rows (sum of the sessions' batch sizes) in one batched call at most: 8 full sessions at the default
 # --max-batch of 8. A batch's time grows with its rows, and every step in it waits for the whole batch.
 MAX_BATCH_ROWS = 64
-# Waiting for the rest of the last batch: at most this share of that batch's time, and this many seconds.
-BATCH_WAIT_SHARE = 0.5
-MAX_BATCH_WAIT = 0.1
 # Seconds of compute a client that starts queueing again may be behind the client served last: more than a
 # demo-model decode step through 30 blocks on one thread (0.05 s), so a session's step never waits behind a
 # flooder's; at most this much of another client's idle time is ever made up for.
@@ -118,8 +114,8 @@ class ClientSlots:
 
 class Runtime:
     def __init__(self, max_queue: int = 256, name: str = "compute", max_batch_rows: int = MAX_BATCH_ROWS,
-                 max_batch_wait: float = MAX_BATCH_WAIT, idle_credit: float = IDLE_CREDIT):
-        self.max_queue, self.max_batch_rows, self.max_batch_wait = max_queue, max_batch_rows, max_batch_wait
+                 idle_credit: float = IDLE_CREDIT):
+        self.max_queue, self.max_batch_rows = max_queue, max_batch_rows
         self.idle_credit = idle_credit
         self._jobs: deque[_Job] = deque()
         self._ready = threading.Condition()
@@ -128,7 +124,6 @@ class Runtime:
         self.jobs_done = 0
         self.batches_run = 0  # calls of a batch function with more than one job
         self.batched_jobs = 0  # jobs settled by those calls
-        self._last: dict[Hashable, tuple[frozenset, float]] = {}  # per key: owners and seconds of its last call
         self._used: dict[Hashable, float] = {}  # per client: seconds of compute, counted as the docstring says
         self._served = 0.0  # the figure of the client whose job the worker took last
 
@@ -185,9 +180,7 @@ class Runtime:
                 key = head.batch.key if head.batch is not None else None
                 if key is None:
                     return [head]
-                self._await_company(head, key)
-                if not head.future.cancelled():  # its caller may have given up while it waited
-                    return self._gather(head, key)
+                return self._gather(head, key)
 
     def _next(self) -> _Job:
         """Take the oldest queued job of the client that has used the least compute (lock held)."""
@@ -216,24 +209,6 @@ class Runtime:
             queued = {job.client for job in self._jobs}
             for client in [c for c, used in self._used.items() if used <= self._floor and c not in queued]:
                 del self._used[client]
-
-    def _await_company(self, head: _Job, key: Hashable) -> None:
-        """Wait (lock held, released while waiting) for the owners of the key's last batch to queue a job
-        too, so that a batch does not shrink to whoever came first."""
-        owners, took = self._last.get(key, (frozenset(), 0.0))
-        if len(owners) < 2:
-            return  # no batch of this key ran last: nobody to wait for
-        deadline = time.monotonic() + min(self.max_batch_wait, BATCH_WAIT_SHARE * took)
-        while not self._stopping:
-            here = {head.batch.owner}
-            for job in self._jobs:
-                if job.batch is None or job.batch.key != key:
-                    return  # other work is waiting: never hold it back
-                here.add(job.batch.owner)
-            left = deadline - time.monotonic()
-            if owners <= here or left <= 0:
-                return
-            self._ready.wait(left)
 
     def _gather(self, head: _Job, key: Hashable) -> list[_Job]:
         taken, owners, rows, kept = [head], {head.batch.owner}, head.batch.rows, deque()
@@ -278,8 +253,6 @@ class Runtime:
             # charged before the results go back: a client's next job is placed by what this one cost
             self.jobs_done += len(jobs)
             self._charge(jobs, took)
-            if jobs[0].batch is not None and jobs[0].batch.key is not None:
-                self._last[jobs[0].batch.key] = (frozenset(j.batch.owner for j in jobs), took)
             for job, (result, error) in zip(jobs, outcomes):
                 if error is not None:
                     _settle_error(job, error)

@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from peer.compute import Compute
+from peer.compute import Compute, chunk_tokens
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.push import Pusher
@@ -411,13 +411,18 @@ class Servicer:
         self._check_hidden(step.hidden, session.encodings, session.batch)
         batch, tokens = step.hidden.shape[:2]
         self.sessions.grow(session, step.position + tokens, time.monotonic())  # OutOfCache: the client fails over
-        # one-token steps may share a forward with other sessions' (`Compute.batch`); longer ones run alone
+        # one-token steps may share a forward with other sessions' (`Compute.batch`); longer ones run alone, a long
+        # one in chunks with other sessions' steps between them
         key = (id(session.blocks), session.span, step.hidden.encoding) if tokens == 1 else None
+        chunk = chunk_tokens(self.served.prefill_tps)
         session.inflight += 1
         try:
-            out, compute_ms, length, shared = await self.runtime.run(
-                self.compute.step, session, step, timeout=self.config.step_timeout,
-                batch=(key, self.compute.batch, session.id, batch), client=session.client)
+            if tokens > chunk:
+                out, compute_ms, length, shared = await self._prefill(session, step, chunk)
+            else:
+                out, compute_ms, length, shared = await self.runtime.run(
+                    self.compute.step, session, step, timeout=self.config.step_timeout,
+                    batch=(key, self.compute.batch, session.id, batch), client=session.client)
         finally:
             session.inflight -= 1
             session.used_at = time.monotonic()
@@ -427,6 +432,15 @@ class Servicer:
             self.capacity.observe(compute_ms, len(session.span))  # a batch-1 decode step: the announced speed
         return messages.Output(out, compute_ms, step.step, step.position, length,
                                input=input_digest(step.position, step.hidden, step.mask))
+
+    async def _prefill(self, session: ServedSession, step: messages.Step, chunk: int):
+        """A long step as one compute job per chunk (`Compute.prefill`), in the session's fair turn, within one step
+        timeout in all."""
+        job, deadline = self.compute.prefill(session, step, chunk), time.monotonic() + self.config.step_timeout
+        for part in range(len(job.parts)):
+            result = await self.runtime.run(job.run, part, timeout=max(0.0, deadline - time.monotonic()),
+                                            batch=Batch(None, None, session.id), client=session.client)
+        return result
 
     # ---- stateless forward ----
 

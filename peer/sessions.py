@@ -197,6 +197,8 @@ class SessionTable:
         session = self.sessions.pop(sid, None)
         if session is not None:
             session.closed, session.why = True, why
-            session.cache = None  # the memory goes with the last reference
+            if session.cache is not None:  # its blocks go back to the pool now; a step still running reads on
+                session.cache.release()
+            session.cache = None
             if self.on_release is not None:
                 self.on_release()

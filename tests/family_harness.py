@@ -347,10 +347,39 @@ def _compare(ckpt, path: Path, LocalChain, split_evenly) -> Outcome:  # noqa: N8
         full = torch.cat([full, ref(full).logits[:, -1:].argmax(-1)], dim=1)
     same = torch.equal(tokens, full)
     note = "" if torch.equal(full, expected) else "transformers' cached generate() differs from its own full forward"
-    if same and diff <= TOLERANCE:
+    batched, alone = batched_steps(chain.chain.blocks[0])
+    notes = [note, "" if batched else "steps of several sessions run one at a time"]
+    note = "; ".join(n for n in notes if n)
+    if same and diff <= TOLERANCE and alone <= TOLERANCE:
         return Outcome(ckpt.model_type, "exact", note, max_diff=diff)
+    if alone > TOLERANCE:
+        return Outcome(ckpt.model_type, "wrong", f"batched decode steps differ from steps alone by {alone:.2e} (relative)",
+                       max_diff=diff)
     return Outcome(ckpt.model_type, "wrong", f"max logit difference {diff:.2e}; greedy tokens "
                    f"{'identical' if same else 'differ'}", max_diff=diff)
+
+
+RAGGED_LENGTHS = (1, 9, 30)  # sessions at very different lengths in one batch
+
+
+@torch.inference_mode()
+def batched_steps(blocks) -> tuple[bool, float]:
+    """Two one-token steps of sessions at `RAGGED_LENGTHS` run as one batch (`decode_batch`) and one at a time:
+    whether the batch shared a forward, and the largest difference of an output relative to its magnitude."""
+    g = torch.Generator().manual_seed(7)
+    pairs = [(blocks.new_cache(1, 64), blocks.new_cache(1, 64)) for _ in RAGGED_LENGTHS]
+    for (a, b), n in zip(pairs, RAGGED_LENGTHS):
+        x = torch.randn(1, n, blocks.hidden_size, generator=g)
+        blocks(x, a, 0)
+        blocks(x, b, 0)
+    worst = 0.0
+    for _ in range(2):
+        xs = [torch.randn(1, 1, blocks.hidden_size, generator=g) for _ in pairs]
+        alone = [blocks(x, a, a.length) for x, (a, _) in zip(xs, pairs)]
+        batched = blocks.decode_batch([(b, x, None) for x, (_, b) in zip(xs, pairs)])
+        worst = max([worst] + [((o - e).abs().max() / e.abs().max().clamp_min(1e-6)).item()
+                               for o, e in zip(batched, alone)])
+    return blocks.ragged and not blocks.recurrent, worst
 
 
 def run_all(root: Path, types: list[str] | None = None, progress=None) -> list[Outcome]:

@@ -24,16 +24,22 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionLayer, get_layer_types_and_kwargs)
 
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.model.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest
-from swarm.model.cache import CACHE_LAYERS, SpanCache, span_kv
+from swarm.model.cache import ATTENTION, HYBRID, RECURRENT, AttentionLayer, LengthLayer, SpanCache, kind_cache, span_kv
+from swarm.model.ragged import NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, configs_of, ragged
+from swarm.model.kv import KVLayout, Pool
 from swarm.model.frame import LayerSlot, Plan, build, position_ids_for
 from swarm.span import Span
 
 logger = logging.getLogger(__name__)
+
+# Tokens the blocks' own cache pool holds when nobody sized it (`size_pool`): blocks are memory only once written.
+DEFAULT_POOL_TOKENS = 1 << 18
 
 class SpanBlocks(torch.nn.Module):
     """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
@@ -71,9 +77,16 @@ class SpanBlocks(torch.nn.Module):
         kinds, per_layer = get_layer_types_and_kwargs(ckpt.text_config)
         self.cache_kinds = list(kinds)
         self.state_counts = [kw.get("number_of_states", 1) for kw in per_layer]
-        self.recurrent = any(issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), LinearAttentionLayer) for i in span)
+        self.recurrent = any(kind_cache(kinds[i]) in (RECURRENT, HYBRID) for i in span)
+        self._layout: KVLayout | None = None
+        self._pool: Pool | None = None
+        self._pool_tokens = DEFAULT_POOL_TOKENS
         self.layers = torch.nn.ModuleList(layers[i] for i in span)
         self.outside = self.frame.model  # not a submodule: its only weights here are the layers'
+        self.attention_implementation = getattr(self.config, "_attn_implementation", None) or "eager"
+        self._configs = configs_of(self.outside)
+        # whether steps of several sessions share one forward: until the family shows it cannot (`decode_batch`)
+        self.ragged = self.attention_implementation in RAGGED_NAMES
         self._entries: dict[Span, torch.nn.ModuleList] = {}
         self._slots = list(self.frame.entries)
         self.requires_grad_(False)
@@ -99,8 +112,51 @@ class SpanBlocks(torch.nn.Module):
         """Bytes the served layers' weights take on the device, in their format."""
         return sum(module_bytes(layer) for layer in self.layers)
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What one token of a session's cache holds: each attention block's keys and values, as the family's own
+        layers produce them (probed once: one token through the span with transformers' own cache layers)."""
+        if self._layout is None:
+            self._layout = self._probe_layout()
+        return self._layout
+
+    @torch.inference_mode()
+    def _probe_layout(self) -> KVLayout:
+        layers = {}
+        for i in self.span:
+            cache = kind_cache(self.cache_kinds[i])
+            layers[i] = DynamicLayer() if cache == ATTENTION else DummyLayer() if cache not in (RECURRENT, HYBRID) \
+                else (LinearAttentionLayer if cache == RECURRENT else LinearAttentionAndFullAttentionLayer)(
+                    number_of_states=self.state_counts[i])
+        kv = span_kv(self.span, self.num_blocks, layers, self.cache_kinds)
+        hidden = torch.randn(1, 1, self.hidden_size, generator=torch.Generator().manual_seed(0)).to(self.device,
+                                                                                                    self.dtype)
+        self._run(self.span, hidden, kv, position_ids_for(1, 1, 0, None, self.device), None)
+        stored = {i: layer for i, layer in layers.items() if isinstance(layer, DynamicLayer) and layer.is_initialized
+                  and layer.keys is not None and layer.keys.numel()}
+        dtypes = {t.dtype for layer in stored.values() for t in (layer.keys, layer.values)}
+        if len(dtypes) > 1:
+            raise BadRequest(f"blocks {self.span} keep keys and values in several dtypes {sorted(map(str, dtypes))}")
+        shapes = {i: (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3])
+                  for i, layer in stored.items()}
+        return KVLayout.of(shapes, dtypes.pop() if dtypes else self.dtype, self.device)
+
+    def size_pool(self, tokens: int) -> None:
+        """Hold `tokens` tokens in the blocks' own cache pool (before its first session)."""
+        if self._pool is not None and self._pool.blocks * self._pool.block_tokens < tokens:
+            raise ValueError("the cache pool already serves sessions; size it before the first one")
+        self._pool_tokens = tokens
+
+    @property
+    def pool(self) -> Pool:
+        """The cache pool sessions of these blocks take their storage from (`swarm.model.kv`)."""
+        if self._pool is None:
+            self._pool = Pool(self.kv_layout, self._pool_tokens)
+        return self._pool
+
     def new_cache(self, batch_size: int, max_length: int, span: Span | None = None) -> SpanCache:
-        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds, self.state_counts)
+        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds, self.state_counts,
+                         self.pool)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,
@@ -116,15 +172,21 @@ class SpanBlocks(torch.nn.Module):
         run = cache.span if cache is not None else (span or self.span)
         self._check_within(run)
         self.check_step(hidden, cache, position, attention_mask)
-        if cache is not None:
-            cache.rollback(position)
-        kv = cache.kv if cache is not None else None
         hidden = hidden.to(self.device, self.dtype)
         batch, new_tokens, _ = hidden.shape
+        if cache is not None:
+            cache.rollback(position)
+            cache.begin(new_tokens)
+        kv = cache.kv if cache is not None else None
         position_ids = self._position_ids(batch, new_tokens, position, attention_mask)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device, torch.bool)
-        out = self._run(run, hidden, kv, position_ids, attention_mask)
+        try:
+            out = self._run(run, hidden, kv, position_ids, attention_mask)
+        except BaseException:
+            if cache is not None:
+                cache.abort()
+            raise
         if cache is not None:
             cache.advance(new_tokens)
         return out
@@ -135,7 +197,9 @@ class SpanBlocks(torch.nn.Module):
 
         Each item is (cache, hidden [batch_i, 1, hidden], attention mask [batch_i, length_i + 1] or None);
         all caches are of one span. The result equals running `self(hidden, cache, cache.length, mask)`
-        for each item (up to float rounding), caches included.
+        for each item (up to float rounding), caches included. Each session attends over its own history
+        (`swarm.model.ragged`); where the family cannot run that way, or holds recurrent states, the steps
+        run one after another.
         """
         if not items:
             return []
@@ -151,51 +215,56 @@ class SpanBlocks(torch.nn.Module):
             lengths.append(cache.length)
         if len({id(cache) for cache, _, _ in items}) != len(items):
             raise BadRequest(f"blocks {self.span}: a batch holds two steps of one session")
-        if any(cache.stateful for cache, _, _ in items):  # recurrent states are not merged: one step each
+        if len(items) == 1 or not self.ragged or any(cache.stateful for cache, _, _ in items):
             return [self(hidden, cache, cache.length, mask) for cache, hidden, mask in items]
-        longest = max(lengths)
-        sizes = [hidden.shape[0] for _, hidden, _ in items]
-        rows = sum(sizes)
-        hidden = torch.cat([h.to(self.device, self.dtype) for _, h, _ in items])
-        mask = torch.zeros(rows, longest + 1, dtype=torch.bool, device=self.device)
-        position_ids, r = [], 0
-        for (_, _, own), length, size in zip(items, lengths, sizes):
-            mask[r:r + size, longest - length:] = True if own is None else own.to(self.device, torch.bool)
-            position_ids.append(self._position_ids(size, 1, length, own))
-            r += size
-        position_ids = torch.cat(position_ids)
-
-        temp = {i: DynamicLayer() for i in run}
-        if longest:
-            for i in run:
-                temp[i].update(*self._padded(items, lengths, sizes, longest, i))
-        kv = span_kv(run, self.num_blocks, temp, self.cache_kinds)
-        out = self._run(run, hidden, kv, position_ids, mask)
-
-        # Only now, with the forward done, does any session cache change: each gets its rows' new token.
-        for i in run:
-            new_keys, new_values = kv.layers[i].keys[:, :, -1:], kv.layers[i].values[:, :, -1:]
-            r = 0
-            for (cache, _, _), size in zip(items, sizes):
-                cache.kv.update(new_keys[r:r + size], new_values[r:r + size], i)
-                r += size
+        for cache, _, _ in items:
+            cache.begin(1)
+        try:
+            out = self._ragged(run, items, lengths)
+        except RaggedUnsupported as e:
+            for cache, _, _ in items:
+                cache.abort()
+            self.ragged = False
+            logger.info("blocks %s of %s: steps of several sessions run one at a time (%s)", self.span,
+                        self.model_type, e)
+            return [self(hidden, cache, cache.length, mask) for cache, hidden, mask in items]
+        except BaseException:
+            for cache, _, _ in items:
+                cache.abort()
+            raise
         for cache, _, _ in items:
             cache.advance(1)
-        return list(out.split(sizes))
+        return list(out.split([hidden.shape[0] for _, hidden, _ in items]))
 
-    def _padded(self, items, lengths: list[int], sizes: list[int], longest: int,
-                layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of block `layer` of every item's cache, left-padded with zeros to `longest`."""
-        shape = next(c.kv.layers[layer].keys.shape for (c, _, _), n in zip(items, lengths) if n)
-        keys = torch.zeros(sum(sizes), shape[1], longest, shape[3], dtype=self.dtype, device=self.device)
-        values = torch.zeros_like(keys)
-        r = 0
-        for (cache, _, _), length, size in zip(items, lengths, sizes):
-            if length:
-                keys[r:r + size, :, longest - length:] = cache.kv.layers[layer].keys
-                values[r:r + size, :, longest - length:] = cache.kv.layers[layer].values
-            r += size
-        return keys, values
+    def _ragged(self, run: Span, items, lengths: list[int]) -> torch.Tensor:
+        """The ragged forward of `items` (prepared): rows in item order, left-padded mask to the longest."""
+        longest = max(lengths)
+        hidden = torch.cat([h.to(self.device, self.dtype) for _, h, _ in items])
+        mask = torch.zeros(hidden.shape[0], longest + 1, dtype=torch.bool, device=self.device)
+        position_ids, sessions, r = [], [], 0
+        for (cache, h, own), length in zip(items, lengths):
+            rows = slice(r, r + h.shape[0])
+            mask[rows, longest - length:] = True if own is None else own.to(self.device, torch.bool)
+            position_ids.append(self._position_ids(h.shape[0], 1, length, own))
+            sessions.append((cache.kv.layers, rows))
+            r = rows.stop
+        batch = RaggedBatch(sessions, self.attention_implementation)
+        first = items[0][0].kv.layers
+        layers = {i: RaggedLayer(batch, i, longest) if isinstance(first[i], AttentionLayer) else
+                  LengthLayer(longest) if isinstance(first[i], LengthLayer) else DummyLayer() for i in run}
+        kv = span_kv(run, self.num_blocks, layers, self.cache_kinds, LengthLayer(longest))
+        with ragged(self._configs, batch):
+            try:
+                out = self._run(run, hidden, kv, torch.cat(position_ids), mask)
+            except RaggedUnsupported:
+                raise
+            except Exception as e:  # views a layer never took: it attends in code of its own, not per session
+                if batch.pending:
+                    raise RaggedUnsupported(f"a layer attends in code of its own ({type(e).__name__})") from e
+                raise
+        if batch.pending:
+            raise RaggedUnsupported("a layer attends in code of its own")
+        return out
 
     def _check_within(self, run: Span) -> None:
         if not (self.span.start <= run.start and run.end <= self.span.end):

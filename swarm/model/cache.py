@@ -1,14 +1,19 @@
-"""One session's cache for a span of blocks (`SpanCache`), and the per-block cache the family's forward
-is handed for a span (`span_kv`).
+"""One session's cache for a span of blocks (`SpanCache`), the cache layers the family's forward calls
+(`AttentionLayer`, `HybridLayer`, `LengthLayer`), and the per-block cache a span's forward is handed (`span_kv`).
 
 Invariants:
 - A `SpanCache` is indexed by global layer index; layers before the span stay empty and cost nothing.
-  Every cached layer keeps the full history (no sliding eviction), so the cache can be rolled back to
-  any earlier position; sliding-window layers get their window from the mask instead.
-- The cache length always equals the session's position.
+  Every cached attention layer keeps the full history (no sliding eviction), so the cache can be rolled back
+  to any earlier position; sliding-window layers get their window from the mask instead.
+- Attention keys and values live in the session's `swarm.model.kv.Rows`, written in place: a layer's `update`
+  writes the step's tokens after its length and returns views of its whole history. Rolling back moves
+  lengths; a fork shares the source's full blocks.
+- The cache length always equals the session's position. A step runs between `begin` (room made for its
+  tokens) and `advance` (its tokens counted) or `abort` (every layer back to the length before it).
 - Recurrent layers keep their state plus copies of it at the ends of the last `SNAPSHOTS` steps: a
-  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a `copy`.
-- A copy shares no tensor with its original: either may step or roll back without changing the other.
+  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a fork.
+- A fork's recurrent states share no tensor with its source's: either may step or roll back without
+  changing the other. Its attention blocks are shared until one of them writes there (copy on write).
 """
 
 from __future__ import annotations
@@ -17,28 +22,125 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
 from swarm.errors import BadRequest
+from swarm.model.kv import Part, Pool, Rows
 from swarm.span import Span
 
-# Cache entry classes by layer kind. Attention kinds keep every past key and value (windows and chunks
-# come from the masks), so any earlier position can be returned to by cropping. Recurrent kinds keep a
-# state that cannot be cropped: rollback restores a copy taken at the end of an earlier step.
-CACHE_LAYERS = {
-    "full_attention": DynamicLayer, "sliding_attention": DynamicLayer, "chunked_attention": DynamicLayer,
-    "linear_attention": LinearAttentionLayer, "conv": LinearAttentionLayer,
-    "hybrid": LinearAttentionAndFullAttentionLayer, "hybrid_sliding": LinearAttentionAndFullAttentionLayer,
-    "dummy": DummyLayer,  # layers with no cache of their own (no attention, or one shared with another layer)
+ATTENTION, RECURRENT, HYBRID, DUMMY = "attention", "recurrent", "hybrid", "dummy"
+# What each layer kind keeps. Attention kinds keep every past key and value (windows and chunks come from the
+# masks), so any earlier position can be returned to. Recurrent kinds keep a state that cannot be cropped:
+# rollback restores a copy taken at the end of an earlier step. Hybrid kinds keep both.
+KIND_CACHES = {
+    "full_attention": ATTENTION, "sliding_attention": ATTENTION, "chunked_attention": ATTENTION,
+    "linear_attention": RECURRENT, "conv": RECURRENT, "hybrid": HYBRID, "hybrid_sliding": HYBRID,
+    "dummy": DUMMY,  # layers with no cache of their own (no attention, or one shared with another layer)
 }
 STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                 "is_recurrent_states_initialized", "conv_kernel_size", "device", "dtype")
 SNAPSHOTS = 8  # recurrent states kept per session and span: rollback reaches back this many steps
 
 
+def kind_cache(kind: str) -> str:
+    cache = KIND_CACHES.get(kind)
+    if cache is None:
+        raise BadRequest(f"no cache for layer kind {kind!r}")
+    return cache
+
+
+class LengthLayer(CacheLayerMixin):
+    """An attention entry that holds nothing but a length: what the family asks of a layer the span does not
+    cache (mask sizes, positions)."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, length: int = 0):
+        super().__init__()
+        self.length = length
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise BadRequest("a layer outside the span was asked to cache keys and values")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.length = max(0, self.length - abs(tokens_to_remove))
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class AttentionLayer(LengthLayer):
+    """An attention layer's keys and values in a session's `Rows`: `update` writes the new tokens after the
+    layer's length (in place) and returns views of everything up to them, as transformers' `DynamicLayer`
+    returns its concatenation, with the same numbers."""
+
+    def __init__(self, rows: Rows, part: Part):
+        super().__init__()
+        self.rows, self.part = rows, part
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start = self.length
+        self.rows.write(self.part, start, key_states, value_states)
+        self.length = start + key_states.shape[-2]
+        return self.rows.keys(self.part, self.length), self.rows.values(self.part, self.length)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.rows.keys(self.part, self.length)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("an attention layer's keys are written through update()")
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.rows.values(self.part, self.length)
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("an attention layer's values are written through update()")
+
+
+class HybridLayer(LinearAttentionLayer, AttentionLayer):
+    """A layer with both a recurrent state (transformers' own) and attention keys and values (ours)."""
+
+    is_compileable = False
+
+    def __init__(self, rows: Rows, part: Part, number_of_states: int = 1):
+        AttentionLayer.__init__(self, rows, part)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if kwargs:  # the recurrent part: called with conv or recurrent states by keyword
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        AttentionLayer.reset(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        AttentionLayer.crop(self, tokens_to_remove)
+
+
 class SpanCache:
-    """One session's cache for one span: keys and values of every past token, and for recurrent layers
-    their state plus copies of it at the ends of the last `SNAPSHOTS` steps.
+    """One session's cache for one span: keys and values of every past token (in `rows`), and for recurrent
+    layers their state plus copies of it at the ends of the last `SNAPSHOTS` steps.
 
     The cache has an entry for every block of the model, as the family's forward expects: the span's
     blocks have their own; every other entry stands in for its kind (the span's first layer of the same
@@ -46,19 +148,40 @@ class SpanCache:
     sizes, whether a recurrent state exists) is the span's."""
 
     def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
-                 kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None):
+                 kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None,
+                 pool: Pool | None = None, rows: Rows | None = None):
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
         n = num_blocks or span.end
-        kinds = list(kinds) if kinds is not None else ["full_attention"] * n
-        counts = list(state_counts) if state_counts is not None else [1] * n
-        self.kinds, self.state_counts = kinds, counts
-        self.clock = DynamicLayer()  # holds only the length: zeros [batch, 1, length, 1]
-        own = {i: _cache_layer(kinds[i], counts[i]) for i in span}
-        self.kv = span_kv(span, n, own, kinds, self.clock)
+        self.kinds = list(kinds) if kinds is not None else ["full_attention"] * n
+        self.state_counts = list(state_counts) if state_counts is not None else [1] * n
+        self.pool = pool
+        self.rows = rows if rows is not None or pool is None else pool.rows(batch_size, max_length)
+        self.clock = LengthLayer()  # the committed length, for entries the span cannot stand in for
+        own = {i: self._layer(i) for i in span}
+        self.kv = span_kv(span, n, own, self.kinds, self.clock)
+        self.attention = [own[i] for i in span if isinstance(own[i], LengthLayer)]  # every entry with a length
         self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer)]
         self.snapshots: dict[int, list[dict]] = {}
+
+    def _layer(self, i: int):
+        cache = kind_cache(self.kinds[i])
+        part = None
+        if cache in (ATTENTION, HYBRID) and self.pool is not None:
+            try:
+                part = self.pool.layout.part(i)
+            except KeyError:  # the layer kept nothing when its shapes were probed: it reads another's
+                part = None
+        if cache == ATTENTION:
+            return AttentionLayer(self.rows, part) if part is not None else LengthLayer()
+        if cache == HYBRID:
+            if part is None:  # a cache of no storage (what a checkpoint's probe hands the family): transformers' own
+                return LinearAttentionAndFullAttentionLayer(number_of_states=self.state_counts[i])
+            return HybridLayer(self.rows, part, number_of_states=self.state_counts[i])
+        if cache == RECURRENT:
+            return LinearAttentionLayer(number_of_states=self.state_counts[i])
+        return DummyLayer()
 
     @property
     def own(self) -> list:
@@ -66,31 +189,42 @@ class SpanCache:
 
     @property
     def length(self) -> int:
-        return self.clock.get_seq_length()
+        return self.clock.length
+
+    def begin(self, tokens: int) -> None:
+        """Make room for a step of `tokens` tokens at the cache's end (`OutOfCache`, nothing written, if none)."""
+        if self.rows is not None and any(isinstance(layer, AttentionLayer) for layer in self.attention):
+            self.rows.prepare(self.length, self.length + tokens)
 
     def advance(self, tokens: int) -> None:
         """Record that a step of `tokens` tokens ran (after it succeeded)."""
-        zeros = torch.zeros(self.batch_size, 1, tokens, 1)
-        self.clock.update(zeros, zeros)
+        self.clock.length += tokens
+        for layer in self.attention:
+            layer.length = self.clock.length
         if self.stateful:
             self.snapshots[self.length] = [_state_of(layer) for layer in self.stateful]
             for old in sorted(self.snapshots)[:-SNAPSHOTS]:
                 del self.snapshots[old]
 
+    def abort(self) -> None:
+        """Forget a step that failed midway: every attention layer back to the cache's length. (Recurrent states a
+        failed step changed are not restored: a failed step of a recurrent span must be replayed from a kept
+        step end.)"""
+        for layer in self.attention:
+            layer.length = self.length
+
     def rollback(self, position: int) -> None:
         """Forget every token at `position` and after."""
         if not 0 <= position <= self.length:
             raise BadRequest(f"cannot roll the cache of span {self.span} back to {position}: it holds {self.length}")
-        drop = self.length - position
-        if not drop:
+        if position == self.length:
             return
         if self.stateful and position and position not in self.snapshots:
             raise BadRequest(f"blocks {self.span}: recurrent state can return only to the ends of the last "
                              f"{SNAPSHOTS} steps ({sorted(self.snapshots)}), not to {position}; replay from 0")
-        for layer in self.own:
-            if isinstance(layer, DynamicLayer):
-                DynamicLayer.crop(layer, -drop)  # a negative count drops that many tokens from the end
-        DynamicLayer.crop(self.clock, -drop)
+        self.clock.length = position
+        for layer in self.attention:
+            layer.length = position
         for i, layer in enumerate(self.stateful):
             if position:
                 _restore(layer, self.snapshots[position][i])
@@ -100,44 +234,43 @@ class SpanCache:
             del self.snapshots[later]
 
     @torch.inference_mode()
-    def copy(self, length: int, max_length: int | None = None) -> SpanCache:
-        """A new cache holding positions [0, `length`) of this one, of `max_length` (default: this one's), sharing
-        no tensor with it: attention keys and values cut at `length`; recurrent states as they were at `length`
-        (the current ones, or a kept snapshot: any other length is a `BadRequest`, as for `rollback`), with the
-        snapshots up to there."""
+    def fork(self, length: int, max_length: int | None = None, credits: int = 0) -> SpanCache:
+        """A new cache holding positions [0, `length`) of this one, of `max_length` (default: this one's): its
+        attention blocks shared with this one where full, the last partial one copied (`Rows.fork`, paid with
+        `credits` first); recurrent states as they were at `length` (the current ones, or a kept snapshot: any
+        other length is a `BadRequest`, as for `rollback`), copied, with the snapshots up to there."""
         if not 0 <= length <= self.length:
             raise BadRequest(f"cannot copy {length} positions of the cache of span {self.span}: it holds {self.length}")
         if self.stateful and length not in (0, self.length) and length not in self.snapshots:
             raise BadRequest(f"blocks {self.span}: recurrent state is kept only at the ends of the last {SNAPSHOTS} "
                              f"steps ({sorted(self.snapshots)}) and at {self.length}, not at {length}")
-        new = SpanCache(self.span, self.batch_size, max_length or self.max_length, len(self.kinds), self.kinds,
-                        self.state_counts)
-        for mine, theirs in zip(self.own, new.own):
-            if isinstance(mine, DynamicLayer) and mine.is_initialized:
-                theirs.keys, theirs.values = (t[..., :length, :].clone() for t in (mine.keys, mine.values))
-                theirs.is_initialized, theirs.device = True, mine.device
+        max_length = max_length or self.max_length
+        rows = self.rows.fork(length, max_length, credits) if self.rows is not None else None
+        new = SpanCache(self.span, self.batch_size, max_length, len(self.kinds), self.kinds, self.state_counts,
+                        self.pool, rows)
         if length:  # at 0 the new cache's states are fresh, as a rollback to 0 resets them
-            zeros = torch.zeros(self.batch_size, 1, length, 1)
-            new.clock.update(zeros, zeros)
+            new.clock.length = length
+            for layer in new.attention:
+                layer.length = length
             for i, layer in enumerate(new.stateful):
                 _restore(layer, self.snapshots[length][i] if length != self.length else _state_of(self.stateful[i]))
         new.snapshots = {p: [_clone(state) for state in snap] for p, snap in self.snapshots.items() if p <= length}
         return new
 
+    def release(self) -> None:
+        """Give the attention blocks back to the pool (the session closed)."""
+        if self.rows is not None:
+            self.rows.release()
+
     def nbytes(self) -> int:
-        tensors = [t for layer in self.own for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
-        tensors += [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
-                    for t in states.values()]
+        """Bytes this session's storage covers: its attention blocks (shared ones in full), its recurrent states
+        and their snapshots."""
+        tensors = [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
+                   for t in states.values()]
         tensors += [t for snap in self.snapshots.values() for state in snap
                     for states in (state["conv_states"], state["recurrent_states"]) for t in states.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _cache_layer(kind: str, states: int):
-    cls = CACHE_LAYERS.get(kind)
-    if cls is None:
-        raise BadRequest(f"no cache for layer kind {kind!r}")
-    return cls(number_of_states=states) if issubclass(cls, LinearAttentionLayer) else cls()
+        own = self.rows.nbytes() if self.rows is not None else 0
+        return own + sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _clone(state: dict) -> dict:
@@ -155,27 +288,28 @@ def _restore(layer, state: dict) -> None:
 
 
 def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | None = None,
-            clock: DynamicLayer | None = None) -> DynamicCache:
+            clock: LengthLayer | None = None) -> DynamicCache:
     """A cache with an entry per block: `layers` for the span's blocks; every other entry is the span's first
     layer of the same family of kinds (attention or recurrent), else `clock` (length only) for attention
     kinds and an empty recurrent layer for recurrent ones."""
     kinds = list(kinds) if kinds is not None else ["full_attention"] * num_blocks
     recurrent = [layers[i] for i in span if isinstance(layers[i], LinearAttentionLayer)]
-    attention = [layers[i] for i in span if isinstance(layers[i], DynamicLayer)]
+    attention = [layers[i] for i in span if isinstance(layers[i], CacheLayerMixin)
+                 and not isinstance(layers[i], DummyLayer)]
     spare_recurrent = None
     entries = []
     for i in range(num_blocks):
+        cache = KIND_CACHES.get(kinds[i], ATTENTION)
         if i in layers:
             entries.append(layers[i])
-        elif kinds[i] == "dummy":
+        elif cache == DUMMY:
             entries.append(DummyLayer())
-        elif issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), LinearAttentionLayer) and \
-                not issubclass(CACHE_LAYERS.get(kinds[i], DynamicLayer), DynamicLayer):
+        elif cache == RECURRENT:
             if not recurrent and spare_recurrent is None:
                 spare_recurrent = LinearAttentionLayer()
             entries.append(recurrent[0] if recurrent else spare_recurrent)
         else:
-            entries.append(attention[0] if attention else (clock or layers[span.start]))
+            entries.append(attention[0] if attention else (clock or LengthLayer()))
     kv = DynamicCache()
     kv.layers = entries
     return kv

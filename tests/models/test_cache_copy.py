@@ -42,7 +42,7 @@ def tensors(cache: SpanCache) -> list[torch.Tensor]:
 @torch.inference_mode()
 def check_copy(blocks: SpanBlocks, span: Span, length: int) -> None:
     source = run_prefix(blocks, span)
-    copy = source.copy(length)
+    copy = source.fork(length)
     assert copy.length == length and copy.span == span
     assert sorted(copy.snapshots) == [p for p in sorted(source.snapshots) if p <= length]
     shared = {t.untyped_storage().data_ptr() for t in tensors(source)}
@@ -87,8 +87,8 @@ def test_a_recurrent_copy_runs_on_as_the_original(recurrent, length):
 @torch.inference_mode()
 def test_a_copy_past_the_end_or_between_recurrent_snapshots_is_refused(attention, recurrent):
     with pytest.raises(BadRequest, match="holds 10"):
-        run_prefix(attention, Span(0, 6)).copy(11)
+        run_prefix(attention, Span(0, 6)).fork(11)
     cache = run_prefix(recurrent, Span(0, 6))
     with pytest.raises(BadRequest, match="recurrent state is kept only at"):
-        cache.copy(6)  # inside the 3-token step from 5 to 8: no state was kept there
-    assert cache.copy(0).length == 0 and cache.length == 10
+        cache.fork(6)  # inside the 3-token step from 5 to 8: no state was kept there
+    assert cache.fork(0).length == 0 and cache.length == 10

@@ -2,8 +2,7 @@
 in what order jobs run, and how results and errors reach each caller.
 
 Every test first holds the worker with a gate job, queues the jobs under test, then releases it, so the
-queue's content when the worker looks at it is exact. The tests of waiting for company let a first batch
-take 0.4 s or 1 s, so the wait it allows (half of that) is far longer than any gap they leave.
+queue's content when the worker looks at it is exact.
 """
 
 from __future__ import annotations
@@ -209,55 +208,23 @@ def test_full_queue_is_busy_at_once_for_batchable_jobs():
         assert rt.queued == 0
 
 
-# ---- waiting for the rest of the last batch ----
+# ---- continuous batching: no waiting for the last batch's sessions ----
 
-def test_the_next_job_waits_for_the_owners_of_the_last_batch():
-    rec = Recorder(delay=0.4)  # the wait allowed after it: 0.2 s
-
-    async def main(rt):
-        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
-        rec.delay = 0.0
-        first = asyncio.create_task(batchable(rt, rec, "a2", "a")())
-        await asyncio.sleep(0.03)  # b's next step comes a little later, as over a network
-        second = asyncio.create_task(batchable(rt, rec, "b2", "b")())
-        return await first, await second
-
-    with Runtime(max_batch_wait=5.0) as rt:
-        assert asyncio.run(main(rt)) == (("batch", "a2"), ("batch", "b2"))
-    assert rec.log == [("batch", "a1", "b1"), ("batch", "a2", "b2")]
-
-
-def test_waiting_for_an_owner_that_left_is_bounded():
+def test_the_next_job_never_waits_for_the_owners_of_the_last_batch():
     rec = Recorder(delay=0.4)
 
     async def main(rt):
         await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
         rec.delay = 0.0
         started = time.monotonic()
-        second = await batchable(rt, rec, "a2", "a")()  # b is gone: a waits once, then runs alone
-        third = await batchable(rt, rec, "a3", "a")()  # the last call had one owner: no wait
-        return second, third, time.monotonic() - started
+        first = await batchable(rt, rec, "a2", "a")()  # b's next step is not there yet: a runs at once
+        took = time.monotonic() - started
+        second = await batchable(rt, rec, "b2", "b")()
+        return first, second, took
 
-    with Runtime(max_batch_wait=5.0) as rt:
-        second, third, took = asyncio.run(main(rt))
-    assert (second, third) == (("alone", "a2"), ("alone", "a3"))
-    assert 0.15 <= took < 2.0
+    with Runtime() as rt:
+        first, second, took = asyncio.run(main(rt))
+    assert (first, second) == (("alone", "a2"), ("alone", "b2"))
+    assert took < 0.15  # a batch of 0.4 s before it would have allowed a wait of 0.2 s
+    assert rec.log == [("batch", "a1", "b1"), ("alone", "a2"), ("alone", "b2")]
 
-
-def test_other_work_is_never_held_back_by_waiting():
-    rec = Recorder(delay=1.0)  # the wait allowed after it: 0.5 s
-
-    async def main(rt):
-        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
-        rec.delay = 0.0
-        started = time.monotonic()
-        waiting = asyncio.create_task(batchable(rt, rec, "a2", "a")())
-        await asyncio.sleep(0.01)
-        other = await plain(rt, rec, "p")()  # ends the wait for b
-        return await waiting, other, time.monotonic() - started
-
-    with Runtime(max_batch_wait=5.0) as rt:
-        waited, other, took = asyncio.run(main(rt))
-    assert (waited, other) == (("alone", "a2"), ("alone", "p"))
-    assert took < 0.4
-    assert rec.log[-2:] == [("alone", "a2"), ("alone", "p")]
