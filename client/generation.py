@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client.drafts import PromptLookup
+from client.head_queue import HeadQueue
 from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
 from client.inference.fork import can_fork, fork
 from client.inference.routing import Hop
@@ -125,8 +126,10 @@ class Generation:
 
     def __init__(self, client: SwarmClient, head: ModelHead, tokenizer, executor: Executor, prompt: list[int],
                  sampling: Sampling, end_tokens: list[int], *, start: Start | None = None,
-                 keep: Callable[[InferenceSession, list[int]], bool] | None = None):
+                 keep: Callable[[InferenceSession, list[int]], bool] | None = None, heads: HeadQueue | None = None):
         self.client, self.head, self.tokenizer, self.executor = client, head, tokenizer, executor
+        # the head's logits, computed together with the other generations' that are ready (`client.head_queue`)
+        self.heads = heads if heads is not None else HeadQueue(head, executor)
         # `keep(session, tokens)` takes the session of a generation that ended well (True) instead of closing it
         self.start, self.keep = start, keep
         self.prompt, self.sampling, self.end_tokens = prompt, sampling, set(end_tokens)
@@ -211,11 +214,13 @@ class Generation:
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
                         if drafts:  # the token chosen at each fed position, up to the first draft it differs from
-                            step = await self._in_pool(self._checked_drafts, sampler, out[0], drafts)
+                            logits = await self.heads.logits(out[0])
+                            step = await self._in_pool(self._checked_drafts, sampler, logits, drafts)
                             drafter.accepted(len(drafts), len(step) - 1)
                             self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(step) - 1
                         else:
-                            step = [await self._in_pool(self._next_tokens, sampler, out[:, -1])]
+                            logits = await self.heads.logits(out[:, -1])
+                            step = [await self._in_pool(self._choose, sampler, logits)]
                         for tokens, logprobs, state in step:
                             if len(made) == s.max_tokens or all(c.finish_reason for c in self.choices):
                                 break
@@ -355,27 +360,24 @@ class Generation:
         """Drafts need one choice: the choices of a request share one session, which holds one length."""
         return self.sampling.speculate > 0 and self.sampling.n == 1
 
-    def _checked_drafts(self, sampler: Sampler, out: torch.Tensor, drafts: list[int]) -> list[tuple]:
-        """The tokens a pass over [last token, drafts...] gives (`out` [1 + drafts, hidden]), each with its
+    def _checked_drafts(self, sampler: Sampler, logits: torch.Tensor, drafts: list[int]) -> list[tuple]:
+        """The tokens a pass over [last token, drafts...] gives (`logits` [1 + drafts, vocabulary]), each with its
         log-probabilities and the sampler's state after it: the sampler chooses at each position in turn, as
         it would have one step at a time, for as long as it chooses the draft there; the first token that
         differs from the draft ends the step. A token chosen at a position is the token decoding without
         drafts chooses there: its logits come from the same tokens before it, and the sampler (its random
         generator, penalties, grammar) is in the same state. So the output, sampled or greedy, is the same."""
         step = []
-        for j, logits in enumerate(self.head.logits(out[None])[0]):
-            step.append(self._choose(sampler, logits[None]))
+        for j, row in enumerate(logits):
+            step.append(self._choose(sampler, row[None]))
             token = step[-1][0][0]
             if j == len(drafts) or token != drafts[j] or token in self.end_tokens:
                 break
         return step
 
-    def _next_tokens(self, sampler: Sampler, hidden: torch.Tensor) -> tuple:
-        """The next token of each choice from the last layer's `hidden` [n, hidden], its log-probabilities when
-        asked for, and the sampler's state after it."""
-        return self._choose(sampler, self.head.logits(hidden))
-
     def _choose(self, sampler: Sampler, logits: torch.Tensor) -> tuple:
+        """The next token of each choice from its `logits` [n, vocabulary], its log-probabilities when asked for,
+        and the sampler's state after it."""
         tokens = sampler(logits)
         logprobs = None if self.sampling.logprobs is None else logprobs_of(logits, torch.tensor(tokens),
                                                                            self.sampling.logprobs)

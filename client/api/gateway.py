@@ -56,6 +56,7 @@ from client.api.served import ServedModel, load, served_models
 from client.api.stream import ClientGone, Runs, Writer, api_error
 from client.config import ApiConfig, ClientConfig
 from client.generation import Generation
+from client.head_queue import HeadQueue
 from client.sampling import Sampling
 from client.connection import joined_node, require_peers
 from client.inference.swarm_client import SwarmClient
@@ -79,6 +80,8 @@ class Gateway:
         self.created = int(time.time())
         self.limits = config.limits
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="api-head")
+        # per model, the head's logits of every generation that is ready, in one call (`client.head_queue`)
+        self.heads = {m.model_id: HeadQueue(m.head, self.executor) for m in models}
         # one thread: a huge prompt delays other prompts' tokenizing, never the running generations
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-tokenize")
         self.closing: set[asyncio.Task] = set()  # generations' peer sessions being closed
@@ -368,7 +371,7 @@ class Gateway:
         reusable = reuse.on and sampling.n == 1 and not sampling.prompt_logprobs and sampling.max_tokens > 0
         gen = Generation(served.client, served.head, served.tokenizer, self.executor, prompt, sampling,
                          served.end_tokens, start=reuse.start(prompt, reusable),
-                         keep=reuse.keep if reusable else None)
+                         keep=reuse.keep if reusable else None, heads=self.heads[served.model_id])
         if reusable:
             reuse.began(gen)
         return gen
