@@ -61,8 +61,8 @@ class Compute:
         self.on_batch = on_batch  # called with the size of each shared forward (metrics)
 
     def open(self, session: ServedSession, batch: int, max_length: int, span: Span) -> None:
-        """Give a new session its cache on the active blocks."""
-        session.cache = self.blocks.new_cache(batch, max_length, span)
+        """Give a new session its cache on the active blocks, in the rows the session table made for it."""
+        session.cache = self.blocks.new_cache(batch, max_length, span, session.rows)
         session.blocks = self.blocks
 
     # ---- on the compute thread ----
@@ -78,15 +78,21 @@ class Compute:
         return messages.Hidden.encode(out, step.hidden.encoding), ms, cache.length, 1
 
     def fork(self, session: ServedSession, source: ServedSession, length: int) -> None:
-        """Make `session`'s cache a copy of positions [0, `length`) of `source`'s, and run it on the same blocks:
-        as `source` is when the job runs, after its steps queued before it (`SpanCache.copy`)."""
+        """Make `session`'s cache hold positions [0, `length`) of `source`'s, and run it on the same blocks: as
+        `source` is when the job runs, after its steps queued before it (`SpanCache.fork`: the full blocks shared,
+        the rest paid with what the session table committed to `session`)."""
         cache = source.cache  # read once: the event loop drops it if the source closes
         self._check_open(source)
         self._check_open(session)
         if length > cache.length:
             raise BadRequest(f"'fork_length' {length} is past the end of session {source.id}: it holds {cache.length} "
                              "positions")
-        session.cache, session.blocks = cache.fork(length, session.max_length), source.blocks
+        committed = session.rows
+        session.cache = cache.fork(length, session.max_length, committed.take_credits())
+        session.rows, session.blocks = session.cache.rows, source.blocks
+        committed.release()
+        if session.closed:  # closed meanwhile: what the fork holds goes back too
+            session.rows.release()
 
     def prefill(self, session: ServedSession, step: messages.Step, chunk: int) -> Prefill:
         """A step of many tokens as jobs of at most `chunk` tokens each (`Prefill`)."""

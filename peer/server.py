@@ -226,7 +226,12 @@ class Peer:
 
     def _load(self, span: Span, reuse: SpanBlocks | None) -> SpanBlocks:
         p = self.precision
-        return SpanBlocks(self.ckpt, span, p.dtype, p.device, reuse=reuse, quant=p.quant)
+        blocks = SpanBlocks(self.ckpt, span, p.dtype, p.device, reuse=reuse, quant=p.quant)
+        blocks.size_pool(self.config.cache_tokens)  # the sessions' cache: blocks allocated as they are written
+        logger.info("blocks %s keep %d bytes of keys and values per token (%s, blocks of %d tokens)", span,
+                    blocks.kv_layout.token_bytes, "mapped" if blocks.pool.mapped else "in tensors",
+                    blocks.pool.block_tokens)
+        return blocks
 
     def figures(self) -> Figures:
         n = len(self.announcer.span)  # the span announced: the claimed one while moving

@@ -368,7 +368,7 @@ class Servicer:
         """A new session of `client` (the stream's authenticated peer), its cache committed as it grows."""
         span = self._check_request(request)
         session = self.sessions.open(span, request.batch, request.max_length, request.encodings, time.monotonic(),
-                                     client)
+                                     client, self.blocks.pool)
         self.compute.open(session, request.batch, request.max_length, span)
         logger.debug("opened session %s: blocks %s, batch %d, max length %d, %s on the wire", session.id, span,
                      request.batch, request.max_length, "/".join(request.encodings))
@@ -386,11 +386,15 @@ class Servicer:
                              f"must ask for the same, not blocks {span} for batch {request.batch}")
         if source.blocks is not self.blocks:
             raise NotServing(f"session {source.id} runs on blocks this peer has moved away from; open a new session")
+        if length > source.end:  # checked again by the compute thread, after the source's steps queued before
+            raise BadRequest(f"'fork_length' {length} is past the end of session {source.id}: it holds {source.end} "
+                             "positions")
         source.inflight += 1  # busy while copied: never reclaimed to make room for its own fork
         try:
-            session = self._open(request, client)
+            # what the fork holds beyond the source's full blocks is committed now, before anything is allocated
+            session = self.sessions.open(span, request.batch, request.max_length, request.encodings, time.monotonic(),
+                                         client, source.rows.pool, shared=length)
             try:
-                self.sessions.grow(session, length, time.monotonic())
                 await self.runtime.run(self.compute.fork, session, source, length, timeout=self.config.step_timeout,
                                        batch=Batch(None, None, source.id), client=client)  # owner: after its steps
                 if session.closed:

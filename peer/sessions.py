@@ -1,18 +1,22 @@
 """Inference sessions of one peer, and fair shares of the cache and of the session slots they use.
 
 Invariants:
-- A session commits cache as it uses it: `GROW_TOKENS` tokens per sequence at open, then, before a step
-  would run past its reservation, enough more to cover it, in whole chunks of `GROW_TOKENS`, never beyond its
-  `max_length`. The sum of reservations never exceeds the budget; at most `max_sessions` are open.
-- A session whose `batch x max_length` exceeds the whole budget is refused at open with `OutOfCache`.
-- Room is made fairly (`SessionTable.make_room`). When a request (an open, or a session's growth) does not
-  fit, sessions are reclaimed from the client holding the most, its longest idle first, where a session may
-  go if it is idle (no step in flight, silent for `reclaim_idle` seconds), or if its client holds more than
-  its share while the requester, once served, holds no more than its own. Holdings count cache tokens when
-  the cache is short, sessions when the slots are short; a client's share is `share` of the budget (of
-  `max_sessions`). Nothing is reclaimed unless that makes the request fit; otherwise it fails with
-  `OutOfCache` (cache) or `Busy` (slots). So a client may take what is free, but keeps no more than its share
-  while another client within its share needs room, and a growing session never loses itself.
+- A session's keys and values live in its `rows` (`swarm.model.kv`), blocks of its blocks' pool. It commits cache
+  as it uses it: `GROW_TOKENS` tokens per sequence at open, then, before a step would run past its reservation,
+  enough more to cover it, in whole chunks of `GROW_TOKENS`, never beyond its `max_length`. What is committed is
+  counted in the pools, a block shared by several sessions (a fork's prefix) once: the table's `reserved` is
+  exact, and never exceeds the budget. At most `max_sessions` are open.
+- A request that does not fit is refused before anything is allocated: a session whose `batch x max_length`
+  exceeds the whole budget at open (`OutOfCache`), any other when room cannot be made (below).
+- Room is made fairly (`SessionTable.make_room`). When a request (an open, a fork, or a session's growth) does
+  not fit, sessions are reclaimed: idle ones first (no step in flight, silent for `reclaim_idle` seconds: kept
+  sessions a gateway keeps for the next turn, among them), from the client holding the most, its longest idle
+  first; then sessions of a client holding more than its share while the requester, once served, holds no more
+  than its own. A session frees what no other session holds. Holdings count cache tokens when the cache is
+  short, sessions when the slots are short; a client's share is `share` of the budget (of `max_sessions`).
+  Nothing is reclaimed unless that makes the request fit; otherwise it fails with `OutOfCache` (cache) or `Busy`
+  (slots). So a client may take what is free, but keeps no more than its share while another client within its
+  share needs room, and a growing session never loses itself.
 - The table is touched only on the event loop; a session's cache only by the compute thread.
 - Idle sessions are also reclaimed by their stream handler (`--idle-timeout`), which closes them here.
   `on_release` is called whenever a close gives cache back.
@@ -27,7 +31,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from swarm.errors import Busy, OutOfCache, UnknownSession
+from swarm.model.kv import KVLayout, Pool, Rows
 from swarm.net.integrity import new_push_key
 from swarm.span import Span
 from swarm.net.transport import describe_peer
@@ -35,6 +42,7 @@ from swarm.net.transport import describe_peer
 logger = logging.getLogger(__name__)
 
 GROW_TOKENS = 128  # tokens per sequence a reservation grows by: a step rarely waits for the table
+COUNTED = KVLayout.of({}, torch.float32, "cpu")  # a pool of this layout holds nothing: it only counts
 
 
 @dataclass
@@ -48,6 +56,7 @@ class ServedSession:
     opened_at: float
     client: str = ""  # authenticated peer id of the client that opened it
     cache: object = None  # the SpanCache, created by the owner of the blocks
+    rows: Rows | None = None  # where its keys and values live (its cache's), made by the table at open
     blocks: object = None  # the SpanBlocks it runs on: a moving peer's old sessions keep the old span's
     steps: int = 0
     closed: bool = False
@@ -62,8 +71,12 @@ class ServedSession:
 
     @property
     def reserved(self) -> int:
-        """Cache tokens committed to it."""
-        return self.batch * self.room
+        """Cache tokens committed to it, blocks it shares with other sessions included."""
+        return 0 if self.rows is None else self.rows.held * self.rows.pool.block_tokens
+
+    def exclusive(self) -> int:
+        """Cache tokens closing it would free: what it holds that no other session holds."""
+        return 0 if self.rows is None else self.rows.exclusive() * self.rows.pool.block_tokens
 
     def idle_for(self, now: float) -> float:
         return 0.0 if self.inflight else now - self.used_at
@@ -81,12 +94,25 @@ class SessionTable:
     share: float = 0.25  # of the cache and of the sessions, one client's fair share
     reclaim_idle: float = 5.0  # seconds without a step before a session may be reclaimed for another
     on_release: Callable[[], None] | None = None
+    pool: Pool | None = None  # where sessions opened without one count their cache (a pool of tokens, no memory)
     sessions: dict[str, ServedSession] = field(default_factory=dict)
     _counter: itertools.count = field(default_factory=itertools.count)
 
+    def __post_init__(self) -> None:
+        if self.pool is None:
+            self.pool = Pool(COUNTED, self.cache_tokens, mapped=False, block_tokens=1)
+
+    def _pools(self) -> list[Pool]:
+        pools = {id(self.pool): self.pool}
+        for s in self.sessions.values():
+            if s.rows is not None:
+                pools.setdefault(id(s.rows.pool), s.rows.pool)
+        return list(pools.values())
+
     @property
     def reserved(self) -> int:
-        return sum(s.reserved for s in self.sessions.values())
+        """Cache tokens committed to open sessions, each block once however many sessions share it."""
+        return sum(pool.committed * pool.block_tokens for pool in self._pools())
 
     @property
     def tokens_left(self) -> int:
@@ -102,23 +128,40 @@ class SessionTable:
         return max(1, int(self.max_sessions * self.share))
 
     def held(self) -> tuple[Counter, Counter]:
-        """Per client: cache tokens committed, sessions open."""
+        """Per client: cache tokens committed (a block its sessions share once), sessions open."""
+        blocks: dict[str, set] = {}
         tokens, count = Counter(), Counter()
         for s in self.sessions.values():
-            tokens[s.client] += s.reserved
             count[s.client] += 1
+            if s.rows is not None:
+                pool = s.rows.pool
+                blocks.setdefault(s.client, set()).update((id(pool), b, pool.block_tokens) for b in s.rows.blocks())
+                tokens[s.client] += s.rows.credits * pool.block_tokens
+        for client, held in blocks.items():
+            tokens[client] += sum(size for _, _, size in held)
         return tokens, count
 
     def open(self, span: Span, batch: int, max_length: int, encodings: tuple, now: float,
-             client: str = "") -> ServedSession:
+             client: str = "", pool: Pool | None = None, shared: int = 0) -> ServedSession:
+        """A new session of `client` whose cache lives in `pool` (default: the table's own, which only counts),
+        with `GROW_TOKENS` per sequence committed; `shared`: for a fork, the tokens per sequence it will hold of its
+        source's (its full blocks are shared: only the rest is committed here, the fork takes it when made)."""
         if batch * max_length > self.cache_tokens:
             raise OutOfCache(f"a session of batch {batch} x length {max_length} needs more than this peer's whole "
                              f"cache ({self.cache_tokens} tokens); try another peer or a shorter max length")
-        room = room_for(1, max_length)
-        self.make_room(client, batch * room, 1, now)
+        pool = pool or self.pool
+        room = room_for(max(shared, 1), max_length)
+        kept = shared // pool.block_tokens if pool.mapped else 0  # full blocks of the source a fork maps, not copies
+        blocks = batch * (pool.blocks_for(room) - kept)
+        self.make_room(client, blocks * pool.block_tokens, 1, now)
+        rows = pool.rows(batch, max_length)
+        if not rows.promise(blocks):  # the compute thread took blocks meanwhile (copies on write)
+            rows.release()
+            raise self._refusal(0, client, blocks * pool.block_tokens)
         # pushes into the session need a tag made with its push key (`swarm.net.integrity`); the id is unguessable too
         sid = f"s{next(self._counter)}-{secrets.token_hex(12)}"
-        session = ServedSession(sid, span, batch, max_length, tuple(encodings), room, now, client, used_at=now)
+        session = ServedSession(sid, span, batch, max_length, tuple(encodings), room, now, client, used_at=now,
+                                rows=rows)
         self.sessions[sid] = session
         return session
 
@@ -128,7 +171,11 @@ class SessionTable:
         room = room_for(length, session.max_length)
         if session.closed or room <= session.room:
             return
-        self.make_room(session.client, session.batch * (room - session.room), 0, now, keep=session)
+        rows = session.rows
+        if not rows.reserve(room):
+            self.make_room(session.client, rows.need(room) * rows.pool.block_tokens, 0, now, keep=session)
+            if not rows.reserve(room):
+                raise self._refusal(0, session.client, rows.need(room) * rows.pool.block_tokens)
         session.room = room
 
     def make_room(self, client: str, tokens: int, slots: int, now: float, keep: ServedSession | None = None) -> None:
@@ -146,13 +193,14 @@ class SessionTable:
             short = 0 if free[0] < tokens else 1
             by = held[short]
             pick = max((s for s in left if self._reclaimable(s, client, by, shares[short], want[short], now)),
-                       key=lambda s: (by[s.client], s.idle_for(now)), default=None)
+                       key=lambda s: (self._idle(s, now), by[s.client], s.idle_for(now)), default=None)
             if pick is None:
                 raise self._refusal(short, client, tokens)
             victims.append(pick)
             left.remove(pick)
-            free[0], free[1] = free[0] + pick.reserved, free[1] + 1
-            held[0][pick.client] -= pick.reserved
+            freed = pick.exclusive()
+            free[0], free[1] = free[0] + freed, free[1] + 1
+            held[0][pick.client] -= freed
             held[1][pick.client] -= 1
         for s in victims:
             logger.info("session %s of client %s (%d cache tokens, idle %.1f s) reclaimed for client %s", s.id,
@@ -180,8 +228,8 @@ class SessionTable:
         """Cache tokens `client` (None: one holding nothing here) could take now, an estimate for routing: what
         is free or idle, or up to its share where reclaiming from clients over theirs would make room."""
         tokens, _ = self.held()
-        free = self.tokens_left + sum(s.reserved for s in self.sessions.values() if self._idle(s, now))
-        forced = sum(s.reserved for s in self.sessions.values() if not self._idle(s, now)
+        free = self.tokens_left + sum(s.exclusive() for s in self.sessions.values() if self._idle(s, now))
+        forced = sum(s.exclusive() for s in self.sessions.values() if not self._idle(s, now)
                      and self._reclaimable(s, client, tokens, self.token_share, GROW_TOKENS, now))
         return max(free, min(self.token_share - tokens[client], free + forced))
 
@@ -197,8 +245,8 @@ class SessionTable:
         session = self.sessions.pop(sid, None)
         if session is not None:
             session.closed, session.why = True, why
-            if session.cache is not None:  # its blocks go back to the pool now; a step still running reads on
-                session.cache.release()
+            if session.rows is not None:  # its blocks go back to the pool now; a step still running reads on
+                session.rows.release()
             session.cache = None
             if self.on_release is not None:
                 self.on_release()

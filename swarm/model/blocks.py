@@ -32,7 +32,7 @@ from swarm.model.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest
 from swarm.model.cache import ATTENTION, HYBRID, RECURRENT, AttentionLayer, LengthLayer, SpanCache, kind_cache, span_kv
 from swarm.model.ragged import NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, configs_of, ragged
-from swarm.model.kv import KVLayout, Pool
+from swarm.model.kv import KVLayout, Pool, Rows
 from swarm.model.frame import LayerSlot, Plan, build, position_ids_for
 from swarm.span import Span
 
@@ -154,9 +154,11 @@ class SpanBlocks(torch.nn.Module):
             self._pool = Pool(self.kv_layout, self._pool_tokens)
         return self._pool
 
-    def new_cache(self, batch_size: int, max_length: int, span: Span | None = None) -> SpanCache:
+    def new_cache(self, batch_size: int, max_length: int, span: Span | None = None, rows: Rows | None = None) -> SpanCache:
+        """A session's cache; its keys and values in `rows` (made from `pool`: a peer's session table makes them, to
+        count them) or in new rows of the blocks' own pool."""
         return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds, self.state_counts,
-                         self.pool)
+                         rows.pool if rows is not None else self.pool, rows)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,

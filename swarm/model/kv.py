@@ -139,12 +139,13 @@ class Pool:
     (blocks promised to sessions that have not taken them yet). With `mapped`, the blocks are pages of one
     memory file that `MappedRows` maps; otherwise they are only counted and `TensorRows` holds the memory."""
 
-    def __init__(self, layout: KVLayout, tokens: int, mapped: bool | None = None):
+    def __init__(self, layout: KVLayout, tokens: int, mapped: bool | None = None, block_tokens: int | None = None):
+        """`block_tokens` (only for a pool that is not mapped): the counting unit, `MIN_BLOCK_TOKENS` by default."""
         if tokens < 1:
             raise ValueError("a cache pool holds at least one token")
         self.layout = layout
         self.mapped = layout.mappable() if mapped is None else mapped and layout.mappable()
-        self.block_tokens = page_block_tokens(layout.token_bytes) if self.mapped else MIN_BLOCK_TOKENS
+        self.block_tokens = page_block_tokens(layout.token_bytes) if self.mapped else block_tokens or MIN_BLOCK_TOKENS
         self.block_bytes = self.block_tokens * layout.token_bytes
         self.blocks = -(-tokens // self.block_tokens)
         self._free = list(range(self.blocks))  # a heap
@@ -293,22 +294,41 @@ class Rows:
         with self.pool.lock:
             return sum(1 for t in self.tables for b in t if not self.pool.shared(b)) + self.credits
 
+    def need(self, tokens: int) -> int:
+        """Blocks more it takes for `tokens` tokens per row to be covered by blocks or credits."""
+        with self.pool.lock:
+            return max(0, self.rows * self.pool.blocks_for(min(tokens, self.capacity)) - self.held)
+
     def reserve(self, tokens: int) -> bool:
         """Make sure `tokens` tokens per row are covered by blocks or credits; False (nothing promised) if the pool
         cannot."""
+        return self.promise(self.need(tokens))
+
+    def promise(self, blocks: int) -> bool:
+        """`blocks` more credits from the pool; False (nothing promised) if it has not that many free."""
         with self.pool.lock:
-            need = self.rows * self.pool.blocks_for(min(tokens, self.capacity)) - self.held
-            if need <= 0:
+            if blocks <= 0:
                 return True
-            if self.closed or need > self.pool.available:
+            if self.closed or blocks > self.pool.available:
                 return False
-            self.pool.reserved += need
-            self.credits += need
+            self.pool.reserved += blocks
+            self.credits += blocks
             return True
 
     def release(self) -> None:
         """Give every block and credit back (the session closed). Views already taken stay readable."""
         self._give_back()
+
+    def take_credits(self) -> int:
+        """This storage's credits, handed over (to the storage of a fork made for the same session)."""
+        with self.pool.lock:
+            credits, self.credits = self.credits, 0
+            return credits
+
+    def blocks(self) -> set[int]:
+        """The blocks this storage's rows hold (a snapshot)."""
+        with self.pool.lock:
+            return {b for t in self.tables for b in t}
 
     # ---- storage (compute thread) ----
 
