@@ -17,11 +17,11 @@ an incomplete character waits for its last byte. Text that could still become a 
 back until it is known; a stop string ends the choice and is not part of its text. Special tokens are
 skipped.
 
-Reuse (`client.api.reuse`): a generation may start from a session that already holds the first tokens of its
-prompt (`Start`): a session a finished request left open, rolled back to what the prompts share, or a fork
-of one still running, once its prompt has run. Only the rest of the prompt is sent, at its position; the
-tokens chosen are the same, since every peer computes the same function of the same tokens. A generation
-that ends well hands its session to `keep` instead of closing it.
+Sessions come from a lease (`client.leases`): a new session by default; the gateway's prompt reuse
+(`client.api.reuse`) may instead lease one that already holds the first tokens of the prompt (`Lease.cached`):
+only the rest is sent, at its position, and the tokens chosen are the same, since every peer computes the same
+function of the same tokens. A generation marks when its prompt has run (`Lease.prefilled`) and, when it ends
+well, what its session holds (`Lease.tokens`); what becomes of the session is the lease's source's business.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch
 
 from client.drafts import PromptLookup
 from client.head_queue import HeadQueue
+from client.leases import NewSessions
 from client.sampling import Sampler, Sampling, TokenLogprob, logprobs_of, score
-from client.inference.fork import can_fork, fork
 from client.inference.routing import Hop
 from client.inference.session import Failover, InferenceSession
 from client.inference.swarm_client import SwarmClient
@@ -61,24 +61,6 @@ class Delta:
 
 CONTEXT_TOKENS = 6  # tokens decoded before a new one, so that its text is decoded in context
 MAX_REWINDS = 8  # wrong outputs found in one generation before it gives up
-
-
-@dataclass
-class Start:
-    """Where a generation's session comes from instead of a new one: `session` itself, taken and rolled back to
-    `position` (the prompt tokens it holds), or a fork of it there (`fork`) once `ready` is set (its own prompt
-    has run). A start that cannot be used when its generation begins (the source closed or rolled back)
-    gives way to a new session."""
-
-    session: InferenceSession | None  # None: the session `of` runs in, once it has one
-    position: int
-    fork: bool = False
-    ready: asyncio.Event | None = None
-    of: Generation | None = None  # the running generation to fork
-    forked: Callable[[], None] | None = None  # told once the fork was made or given up
-
-
-READY_WAIT_S = 60.0  # the longest a fork waits for its source's prompt to run
 
 
 @dataclass
@@ -125,20 +107,19 @@ class Generation:
     Cancelling the task that runs it closes its peer sessions."""
 
     def __init__(self, client: SwarmClient, head: ModelHead, tokenizer, executor: Executor, prompt: list[int],
-                 sampling: Sampling, end_tokens: list[int], *, start: Start | None = None,
-                 keep: Callable[[InferenceSession, list[int]], bool] | None = None, heads: HeadQueue | None = None):
+                 sampling: Sampling, end_tokens: list[int], *, sessions=None, heads: HeadQueue | None = None):
         self.client, self.head, self.tokenizer, self.executor = client, head, tokenizer, executor
         # the head's logits, computed together with the other generations' that are ready (`client.head_queue`)
         self.heads = heads if heads is not None else HeadQueue(head, executor)
-        # `keep(session, tokens)` takes the session of a generation that ended well (True) instead of closing it
-        self.start, self.keep = start, keep
+        # where its session comes from and goes (`client.leases`: `lease(prompt, max_length)`)
+        self.sessions = sessions if sessions is not None else NewSessions(client)
         self.prompt, self.sampling, self.end_tokens = prompt, sampling, set(end_tokens)
         context = prompt[-CONTEXT_TOKENS:]
         self.choices = [Choice(i, context=list(context), read_offset=len(context)) for i in range(sampling.n)]
         self.longest_stop = max((len(stop) for stop in sampling.stop), default=0)
         self.failovers: list[Failover] = []
         self.first_token_s: float | None = None
-        self.closing: asyncio.Task | None = None  # the session's close, which outlives `run`
+        self.closing: asyncio.Task | None = None  # the session's close (if not kept), which outlives `run`
         self.released = 0  # tokens whose deltas were given out
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when `sampling.prompt_logprobs`
         self.drafted = self.accepted = 0  # tokens drafted by prompt lookup, and those the model kept
@@ -146,9 +127,6 @@ class Generation:
         self.unchecked: list[Hop] = []  # hops of its route no other peer could check (`InferenceSession.unchecked`)
         self.cached = 0  # prompt tokens its session held when it began (reused), not sent again
         self.reuse = ""  # how: "kept" (a finished request's session), "fork" (a copy of a session's prefix) or ""
-        self.prefilled = asyncio.Event()  # set once its whole prompt has run: forks of it may begin
-        self.start_used = False  # whether `start` was looked at (else its owner releases it: `client.api.reuse`)
-        self.source_closing: asyncio.Task | None = None  # the close of a taken session it forked and let go
         self.made: list[list[int]] = []  # each step's tokens, one per choice
 
     @property
@@ -171,15 +149,20 @@ class Generation:
         """Deltas as they are verified (`InferenceSession.verified_length`): a token's text goes out once the
         outputs it was made from were checked, so a lying peer caught later changes nothing already sent (the
         session rewinds, and the tokens after the wrong position are made again)."""
+        lease = None
+        try:
+            async with self.sessions.lease(self.prompt, len(self.prompt) + max(self.sampling.max_tokens, 1)) as lease:
+                self.session, self.cached, self.reuse = lease.session, lease.cached, lease.how
+                async for deltas in self._run(lease):
+                    yield deltas
+        finally:
+            self.closing = None if lease is None else lease.closing
+
+    async def _run(self, lease) -> AsyncIterator[list[Delta]]:
         s, prompt = self.sampling, len(self.prompt)
         started = time.perf_counter()
         sampler = Sampler(s, self.head.vocab_size, self.prompt)
-        try:
-            session = self.session = await self._session(prompt + max(s.max_tokens, 1))
-        except BaseException:
-            self.prefilled.set()  # forks waiting for this prompt stop waiting: it will not run
-            raise
-        session.owner = self
+        session = self.session
         earlier = len(session.failovers)  # a kept session's, from the requests before
         made = self.made
         saved = [self._save(sampler)]  # the state after 0, 1, ... tokens
@@ -187,7 +170,6 @@ class Generation:
         position = self.cached
         ids = torch.tensor([self.prompt[position:]] * s.n, dtype=torch.int64)
         drafter = PromptLookup(s.speculate) if self._can_speculate() else None
-        ended = False
         try:
             for _ in range(MAX_REWINDS + 1):
                 try:
@@ -210,7 +192,7 @@ class Generation:
                         out = await session.step(hidden, position)
                         self._note_unchecked(session)
                         if session.length >= prompt:
-                            self.prefilled.set()
+                            lease.prefilled.set()  # forks of its prompt may begin
                         if s.prompt_logprobs and position < prompt:
                             await self._in_pool(self._score_prompt, out, position)
                         if drafts:  # the token chosen at each fed position, up to the first draft it differs from
@@ -234,7 +216,9 @@ class Generation:
                             yield out_now
                     await session.verify()  # everything, before the last deltas go out
                     self._note_unchecked(session)
-                    ended = True
+                    if s.n == 1:  # what its caches hold, for the lease's next request (the last token never ran)
+                        held = min(session.length, prompt + max(len(made) - 1, 0))
+                        lease.tokens = (self.prompt + [t for (t,) in made])[:held]
                     yield self._release(pending, len(made), len(made))
                     return
                 except Rewound as e:
@@ -250,77 +234,6 @@ class Generation:
             raise SwarmError(f"outputs were found wrong {MAX_REWINDS} times in one generation")
         finally:
             self.failovers = list(session.failovers[earlier:])
-            self.prefilled.set()  # forks waiting for this prompt look again (they find it ran, or not)
-            if not (ended and self.keep is not None and self._kept(session)):
-                # closed in a task of its own: it completes even if this one is being cancelled, and the
-                # response need not wait for it (the owner may wait for `closing` before shutting down)
-                self.closing = asyncio.ensure_future(session.close())
-
-    async def _session(self, max_length: int) -> InferenceSession:
-        """The session to run in: the start's, rolled back or forked (`cached` prompt tokens it holds), or new.
-        A taken session too short for this request is forked into one long enough, then closed."""
-        start, prompt = self.start, len(self.prompt)
-        self.start_used = True
-        position = 0 if start is None else min(start.position, prompt - 1)  # at least one prompt token runs
-        if start is None or position <= 0:
-            if start is not None:
-                self.release_start()
-            return InferenceSession(self.client, max_length)
-        if not start.fork:  # taken: this request's own
-            source = start.session
-            source.owner = self  # a fork of it for a request still running it is refused from now on
-            if not source.closed and source.length >= position and source.max_length >= max_length \
-                    and not source.forking:
-                self.cached, self.reuse = position, "kept"
-                source.live.resume()  # its peers count it toward their load again
-                return source
-            try:  # too short (or being copied): forked into a long enough one, then closed
-                return await self._fork(source, position, max_length, "kept")
-            finally:
-                self.source_closing = asyncio.ensure_future(source.close())
-        if start.ready is not None and not start.ready.is_set():
-            try:
-                await asyncio.wait_for(start.ready.wait(), READY_WAIT_S)
-            except asyncio.TimeoutError:
-                pass
-        try:
-            source = start.session or start.of.session
-            # a running request's session holds its prompt while that request runs it: not once another took it
-            if source is None or (start.of is not None and source.owner is not start.of):
-                return InferenceSession(self.client, max_length)
-            return await self._fork(source, position, max_length, "fork")
-        finally:
-            if start.forked is not None:
-                start.forked()
-
-    def release_start(self) -> None:
-        """Let go of a start not used: close a taken session, unpin a kept one being forked."""
-        start, self.start = self.start, None
-        if start is None:
-            return
-        if not start.fork:
-            self.source_closing = asyncio.ensure_future(start.session.close())
-        elif start.forked is not None:
-            start.forked()
-
-    async def _fork(self, source: InferenceSession, position: int, max_length: int, how: str) -> InferenceSession:
-        if not can_fork(source, position):
-            return InferenceSession(self.client, max_length)
-        session = await fork(source, position, max(max_length, position))
-        self.cached, self.reuse = position, how
-        return session
-
-    def _kept(self, session: InferenceSession) -> bool:
-        """Whether `keep` took the session, with the tokens whose outputs its caches hold (one choice only)."""
-        if self.sampling.n != 1:
-            return False
-        tokens = self.prompt + [t for (t,) in self.made]
-        held = min(session.length, len(self.prompt) + max(len(self.made) - 1, 0))  # the last token never ran
-        try:
-            return self.keep(session, tokens[:held])
-        except Exception:  # boundary: a bookkeeping bug closes the session rather than losing it
-            logger.exception("keeping a finished session failed")
-            return False
 
     def _note_unchecked(self, session: InferenceSession) -> None:
         """Hops of the route no other peer could check, over the whole generation (one may be replaced later)."""

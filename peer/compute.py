@@ -102,8 +102,9 @@ class Compute:
         """One-token steps of several sessions (`step`'s arguments each).
 
         Steps at their cache's end share one forward, however different their lengths (each attends over its
-        own history: `SpanBlocks.decode_batch`); a step that rolls back runs alone; a bad step fails alone. Per item: `step`'s result or the item's error. compute_ms of a shared forward is the whole
-        forward's time, the same for every session in it.
+        own history: `SpanBlocks.decode_batch`); a step that rolls back runs alone; a bad step fails alone.
+        Per item: `step`'s result or the item's error. compute_ms of a shared forward is the whole forward's
+        time, the same for every session in it.
         """
         results: list[Any] = [None] * len(items)
         shared: list[tuple[int, Any]] = []  # (item, its cache), read once: a session may close meanwhile

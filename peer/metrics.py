@@ -39,6 +39,19 @@ def state(info: Any) -> list[tuple[str, str, float, dict[str, str]]]:
     ]
 
 
+def cache_state(memory: dict[str, int]) -> list[tuple[str, str, float, dict[str, str]]]:
+    """The scrape-time gauges of the cache's memory (`Servicer.cache_memory`)."""
+    return [
+        ("swarm_peer_cache_bytes", "memory the sessions' keys and values take now (pages written, a block shared by "
+         "several sessions once)", memory["bytes"], {}),
+        ("swarm_peer_cache_blocks", "cache blocks sessions hold (a shared block once)", memory["blocks"], {}),
+        ("swarm_peer_cache_blocks_shared", "cache blocks held by more than one session (forks' prefixes)",
+         memory["shared"], {}),
+        ("swarm_peer_cache_token_bytes", "bytes one token takes in the cache of the served blocks (keys and values "
+         "of every attention block)", memory["token_bytes"], {}),
+    ]
+
+
 class PeerMetrics:
     """Counters and histograms of one peer, in `self.registry`; `watch(info)` adds the state gauges."""
 
@@ -66,8 +79,11 @@ class PeerMetrics:
                                        "message read to its reply written (queue and compute included)",
                                        buckets=LATENCY_BUCKETS, registry=r)
 
-    def watch(self, info: Callable[[], dict[str, Any]]) -> None:
+    def watch(self, info: Callable[[], dict[str, Any]], memory: Callable[[], dict[str, int]] | None = None) -> None:
+        """Gauges of `info()` and, if given, of `memory()` (the cache's memory: `Servicer.cache_memory`)."""
         self.registry.register(StateCollector(lambda: state(info())))
+        if memory is not None:
+            self.registry.register(StateCollector(lambda: cache_state(memory())))
 
     async def serve(self, host: str, port: int) -> HttpServer:
         """An HTTP server with only `/metrics`; the caller closes it."""

@@ -293,7 +293,7 @@ class Peer:
                                                 self.precision)
             servicer.capacity = self.capacity
             servicer.pusher = Pusher(self.node) if config.push else None
-            self.metrics.watch(servicer.info)
+            self.metrics.watch(servicer.info, servicer.cache_memory)
             for protocol, handler in ((wire.SESSION_PROTOCOL, servicer.serve_session),
                                       (wire.PUSH_PROTOCOL, servicer.serve_push),
                                       (wire.FORWARD_PROTOCOL, servicer.serve_forward),

@@ -485,6 +485,17 @@ class Servicer:
             self.moves, dict(self.errors), wire.traffic(),
             {**self.pushes, **(self.pusher.stats() if self.pusher is not None else {})})
 
+    def cache_memory(self) -> dict[str, int]:
+        """The memory of the cache pools of the blocks sessions run on (`swarm.model.kv.Pool.memory`), summed."""
+        pools = {id(s.rows.pool): s.rows.pool for s in self.sessions.sessions.values() if s.rows is not None}
+        if self.blocks is not None:
+            pools.setdefault(id(self.blocks.pool), self.blocks.pool)
+        total = {"bytes": 0, "blocks": 0, "shared": 0, "token_bytes": 0}
+        for pool in pools.values():
+            for key, value in pool.memory().items():
+                total[key] = max(total[key], value) if key == "token_bytes" else total[key] + value
+        return total
+
     async def serve_info(self, stream: Stream) -> None:
         async def handle(msg: wire.Message) -> wire.Message:
             messages.InfoRequest.from_message(msg)

@@ -93,7 +93,7 @@ class Gateway:
         self.metrics = ApiMetrics(self)
         # sessions kept for prompts that begin the same way, per model; not for recurrent layers, whose state
         # cannot return to where two prompts part
-        self.reuse = {m.model_id: Reuse(0 if m.recurrent else config.reuse_tokens, config.reuse_seconds,
+        self.reuse = {m.model_id: Reuse(m.client, 0 if m.recurrent else config.reuse_tokens, config.reuse_seconds,
                                         self.metrics, m.model_id) for m in models}
 
     def app(self) -> web.Application:
@@ -333,11 +333,9 @@ class Gateway:
                 self.slots.release()
                 await runs.close()
                 for gen in gens:
-                    self.reuse[model].ended(gen)  # first: it may close a start the generation never used
-                    for task in (gen.closing, gen.source_closing):
-                        if task is not None:
-                            self.closing.add(task)
-                            task.add_done_callback(self.closing.discard)
+                    if gen.closing is not None:
+                        self.closing.add(gen.closing)
+                        gen.closing.add_done_callback(self.closing.discard)
         except (asyncio.CancelledError, ClientGone) as e:
             self.metrics.cancelled.inc()
             logger.info("%s: client went away after %d tokens (%s); generation cancelled", endpoint,
@@ -365,16 +363,12 @@ class Gateway:
                         f", {len(failovers)} failovers" if failovers else "")
 
     def _generation(self, served: ServedModel, prompt: list[int], sampling: Sampling) -> Generation:
-        """A generation, starting where a kept or running session holds the most of its prompt
-        (`client.api.reuse`)."""
+        """A generation whose session comes from the model's prompt reuse (`client.api.reuse`: where a kept or
+        running session holds the most of its prompt), or is a new one for the requests it leaves out."""
         reuse = self.reuse[served.model_id]
         reusable = reuse.on and sampling.n == 1 and not sampling.prompt_logprobs and sampling.max_tokens > 0
-        gen = Generation(served.client, served.head, served.tokenizer, self.executor, prompt, sampling,
-                         served.end_tokens, start=reuse.start(prompt, reusable),
-                         keep=reuse.keep if reusable else None, heads=self.heads[served.model_id])
-        if reusable:
-            reuse.began(gen)
-        return gen
+        return Generation(served.client, served.head, served.tokenizer, self.executor, prompt, sampling,
+                          served.end_tokens, sessions=reuse if reusable else None, heads=self.heads[served.model_id])
 
     def _timed(self, last: list[float], model: str) -> None:
         now = time.perf_counter()

@@ -3,7 +3,9 @@
 Clients of an OpenAI API are stateless: each request carries the whole conversation again, or the same long
 system prompt and tool list. So a finished request's inference session stays open on the peers (`keep`),
 indexed by the tokens its caches hold in a radix tree (`client.api.prefixes`), and a new request of the
-same model begins where the most of its prompt is already computed (`start`):
+same model begins where the most of its prompt is already computed. All of it lives here, behind one call: a
+generation runs in a lease (`async with reuse.lease(prompt, max_length) as lease`, `client.leases`), whose
+session is one of these, holding `lease.cached` of its prompt's tokens:
 
 - a kept session whose tokens all begin the new prompt (the next turn of its conversation) is *taken*:
   the new request rolls it back to where they part, and sends only the rest;
@@ -14,8 +16,10 @@ same model begins where the most of its prompt is already computed (`start`):
   forked too, once its prompt has run: so concurrent requests with one system prompt have it computed once
   per peer.
 
+When the lease is given back, its session is kept if the generation ended well (`lease.tokens`), else closed.
 Requests of several choices (`n` > 1: one session of that batch) and those scoring their prompt (every
-position's outputs are needed) start afresh; their sessions are not kept.
+position's outputs are needed) take their sessions elsewhere (`client.leases.NewSessions`): they start afresh
+and their sessions are not kept.
 
 Bounds: kept sessions hold at most `reuse_tokens` positions together and each is closed after
 `reuse_seconds` unused; beyond that the least recently used are closed first. Peers bound them too: a kept
@@ -27,19 +31,23 @@ default) closes it as well: `reuse_seconds` stays below it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from client.api.prefixes import PrefixTree
-from client.generation import Generation, Start
+from client.inference.fork import can_fork, fork
 from client.inference.session import InferenceSession
+from client.leases import Lease
 
 logger = logging.getLogger(__name__)
 
 MIN_SHARED = 16  # prompt tokens a request must share with another's before it forks that one's session
 TAKE_SLACK = 4  # a kept session is taken when all its tokens but this many begin the prompt (a chat template
 # may write the last turn's end a little differently from how it was generated)
+READY_WAIT_S = 60.0  # the longest a fork waits for a running request's prompt to run
 
 
 @dataclass(eq=False)
@@ -50,14 +58,27 @@ class Kept:
     forks: int = 0  # forks of it in progress: it is neither taken nor closed meanwhile
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Where a lease's session comes from: `how` "kept" (`kept` taken, rolled back to `position`), "fork" (of
+    `kept`, pinned until the fork is made), "running" (a fork of the running lease `of` once its prompt ran), or
+    "" (a new session)."""
+
+    how: str = ""
+    position: int = 0
+    kept: Kept | None = None
+    of: Lease | None = None
+
+
 class Reuse:
     """The sessions of one served model kept or running (module docstring). On the gateway's event loop."""
 
-    def __init__(self, max_tokens: int, max_seconds: float, metrics=None, model: str = ""):
+    def __init__(self, client, max_tokens: int, max_seconds: float, metrics=None, model: str = ""):
+        self.client = client
         self.max_tokens, self.max_seconds = max_tokens, max_seconds
         self.metrics, self.model = metrics, model
         self.kept = PrefixTree()  # Kept -> its tokens
-        self.running = PrefixTree()  # Generation -> its prompt
+        self.running = PrefixTree()  # Lease -> its prompt
         self._closing: set[asyncio.Task] = set()
 
     @property
@@ -68,44 +89,87 @@ class Reuse:
     def kept_tokens(self) -> int:
         return sum(len(tokens) for tokens in self.kept.sequences.values())
 
-    def start(self, prompt: list[int], reusable: bool) -> Start | None:
-        """Where a request with `prompt` starts (None: a new session); `reusable` False for the requests the
-        module docstring excludes."""
+    @contextlib.asynccontextmanager
+    async def lease(self, prompt: list[int], max_length: int) -> AsyncIterator[Lease]:
+        """A session to run `prompt` in, of at least `max_length`, starting where the most of it is computed;
+        kept afterwards if the generation ended well (`Lease.tokens`), else closed."""
+        lease = Lease()
+        choice = self.choose(prompt)
+        if self.on:
+            self.running.insert(lease, prompt)  # from now on, a later request with this prompt may fork it
+        try:
+            await self._begin(lease, choice, prompt, max_length)
+            yield lease
+        finally:
+            self.running.remove(lease)
+            lease.prefilled.set()  # forks waiting for this prompt look again (they find it ran, or not)
+            if lease.session is not None and not (lease.tokens is not None and self.keep(lease.session,
+                                                                                         lease.tokens)):
+                lease.closing = self._close_later(lease.session)
+
+    def choose(self, prompt: list[int]) -> Choice:
+        """Where a request with `prompt` starts (module docstring). A kept session chosen to be taken leaves the
+        tree (it is this request's now); one chosen to be forked is pinned (`Kept.forks`)."""
         self.expire()
-        if not self.on or not reusable or len(prompt) < 2:
-            return None
+        if not self.on or len(prompt) < 2:
+            return Choice()
+        last = len(prompt) - 1  # at least one prompt token runs
         kept_items, kept_len = self.kept.longest(prompt)
         run_items, run_len = self.running.longest(prompt)
         kept = max(kept_items, key=lambda k: k.used_at, default=None)
         if kept is not None and kept_len > 0 and kept_len >= len(kept.tokens) - TAKE_SLACK and not kept.forks \
                 and not kept.session.forking:
-            self.kept.remove(kept)  # the next turn of its conversation: taken, it is this request's now
-            return Start(kept.session, kept_len)
-        sources = sorted(run_items, key=lambda g: (not g.prefilled.is_set(), g.session is None))
+            self.kept.remove(kept)  # the next turn of its conversation: taken
+            return Choice("kept", min(kept_len, last), kept)
+        sources = sorted(run_items, key=lambda lease: (not lease.prefilled.is_set(), lease.session is None))
         # a running request is forked only if it shares clearly more than any kept session: its fork waits for
         # its prompt to run, and then for the copy (forks of forks would wait in a chain)
         if sources and run_len >= MIN_SHARED + (kept_len if kept is not None else 0):
-            # its session may not be open yet: the fork waits for its prompt to have run
-            return Start(None, run_len, fork=True, ready=sources[0].prefilled, of=sources[0])
+            return Choice("running", min(run_len, last), of=sources[0])
         if kept is not None and kept_len >= MIN_SHARED:
             kept.forks += 1
             kept.used_at = time.monotonic()
-            return Start(kept.session, kept_len, fork=True, forked=lambda: self._forked(kept))
-        return None
+            return Choice("fork", min(kept_len, last), kept)
+        return Choice()
 
-    def _forked(self, kept: Kept) -> None:
-        """A fork of a kept session was made or given up: it may be taken or closed again."""
-        kept.forks = max(0, kept.forks - 1)
+    async def _begin(self, lease: Lease, choice: Choice, prompt: list[int], max_length: int) -> None:
+        """Make the lease's session as `choice` says (a new one where that cannot be done any more)."""
+        position = choice.position
+        try:
+            if choice.how == "kept":
+                source = choice.kept.session
+                if position <= 0:
+                    self._close_later(source)
+                elif not source.closed and source.length >= position and source.max_length >= max_length \
+                        and not source.forking:
+                    source.live.resume()  # its peers count it toward their load again
+                    lease.session, lease.cached, lease.how = source, position, "kept"
+                else:  # too short for this request (or being copied): forked into a long enough one, then closed
+                    try:
+                        await self._fork(lease, source, position, max_length, "kept")
+                    finally:
+                        self._close_later(source)
+            elif choice.how == "running":
+                of = choice.of
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(of.prefilled.wait(), READY_WAIT_S)
+                # a running request's session holds its prompt while that request runs it: not once another took it
+                if of.session is not None and of.session.owner is of:
+                    await self._fork(lease, of.session, position, max_length, "fork")
+            elif choice.how == "fork":
+                try:
+                    await self._fork(lease, choice.kept.session, position, max_length, "fork")
+                finally:
+                    choice.kept.forks = max(0, choice.kept.forks - 1)
+        finally:
+            if lease.session is None:
+                lease.session, lease.cached, lease.how = InferenceSession(self.client, max_length), 0, ""
+            lease.session.owner = lease  # a fork of it for a lease still running it is refused from now on
 
-    def began(self, gen: Generation) -> None:
-        """`gen`, a reusable request (`start`), runs: its prompt may be forked once it has run."""
-        self.running.insert(gen, gen.prompt)
-
-    def ended(self, gen: Generation) -> None:
-        """`gen` is over: not a source of forks any more; a start it never looked at is let go."""
-        self.running.remove(gen)
-        if not gen.start_used:
-            gen.release_start()
+    async def _fork(self, lease: Lease, source: InferenceSession, position: int, max_length: int, how: str) -> None:
+        if can_fork(source, position):
+            lease.session = await fork(source, position, max(max_length, position))
+            lease.cached, lease.how = position, how
 
     def keep(self, session: InferenceSession, tokens: list[int]) -> bool:
         """Keep a finished request's session (True), unless reuse is off or it holds too little."""
@@ -134,9 +198,14 @@ class Reuse:
         logger.debug("closing a kept session of %d tokens (%s)", len(kept.tokens), why)
         if self.metrics is not None:
             self.metrics.reuse_evicted.labels(why, self.model).inc()
-        task = asyncio.ensure_future(kept.session.close())
+        self._close_later(kept.session)
+
+    def _close_later(self, session: InferenceSession) -> asyncio.Task:
+        """Close `session` in a task of its own: it completes even if the caller is being cancelled."""
+        task = asyncio.ensure_future(session.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        return task
 
     async def close(self) -> None:
         for kept in list(self.kept.sequences):

@@ -154,11 +154,12 @@ class SpanBlocks(torch.nn.Module):
             self._pool = Pool(self.kv_layout, self._pool_tokens)
         return self._pool
 
-    def new_cache(self, batch_size: int, max_length: int, span: Span | None = None, rows: Rows | None = None) -> SpanCache:
-        """A session's cache; its keys and values in `rows` (made from `pool`: a peer's session table makes them, to
+    def new_cache(self, batch_size: int, max_length: int, span: Span | None = None,
+                  rows: Rows | None = None) -> SpanCache:
+        """A session's cache; its keys and values in `rows` (a peer's session table makes them from `pool`, to
         count them) or in new rows of the blocks' own pool."""
-        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds, self.state_counts,
-                         rows.pool if rows is not None else self.pool, rows)
+        return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds,
+                         self.state_counts, rows.pool if rows is not None else self.pool, rows)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,

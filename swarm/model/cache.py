@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
+from transformers.cache_utils import (CacheLayerMixin, DummyLayer, LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionLayer)
 
 from swarm.errors import BadRequest
 from swarm.model.kv import Part, Pool, Rows

@@ -217,6 +217,15 @@ class Pool:
     def shared(self, block: int) -> bool:
         return self._refs[block] > 1
 
+    def memory(self) -> dict[str, int]:
+        """What the pool holds now: bytes of memory (the pages written, for a mapped pool; the blocks' worth of
+        bytes otherwise), blocks held, blocks held by more than one session."""
+        with self.lock:
+            shared = sum(1 for r in self._refs if r > 1)
+            used = self.used
+        held = os.fstat(self.fd).st_blocks * 512 if self.mapped else used * self.block_bytes
+        return {"bytes": held, "blocks": used, "shared": shared, "token_bytes": self.layout.token_bytes}
+
     def rows(self, rows: int, capacity: int) -> Rows:
         """An empty storage of `rows` sequences of up to `capacity` tokens in this pool."""
         return (MappedRows if self.mapped else TensorRows)(self, rows, capacity)

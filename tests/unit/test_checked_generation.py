@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import client.generation as generation_module
+from leased import Given
 from client.generation import Generation, Sampling
 from swarm.errors import Rewound
 from test_generation import byte_tokenizer
@@ -83,22 +83,18 @@ def run(lie_at: int, found_after: int, lag: int, max_tokens: int = 12,
         **sampling) -> tuple[str, list[str], ScriptedSession]:
     tokenizer = byte_tokenizer(eos_token="<eos>")
     session = ScriptedSession(lie_at, found_after, lag)
-    original = generation_module.InferenceSession
-    generation_module.InferenceSession = lambda client, max_length: session
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            gen = Generation(None, Head(), tokenizer, pool, PROMPT,
-                             Sampling(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}), [])
+    with ThreadPoolExecutor(1) as pool:
+        gen = Generation(None, Head(), tokenizer, pool, PROMPT,
+                         Sampling(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}), [],
+                         sessions=Given(session))
 
-            async def collect():
-                out = []
-                async for deltas in gen.run():
-                    out.append("".join(d.text for d in deltas))
-                return out
+        async def collect():
+            out = []
+            async for deltas in gen.run():
+                out.append("".join(d.text for d in deltas))
+            return out
 
-            pieces = asyncio.run(asyncio.wait_for(collect(), 30))
-    finally:
-        generation_module.InferenceSession = original
+        pieces = asyncio.run(asyncio.wait_for(collect(), 30))
     return "".join(pieces), pieces, session
 
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import client.generation as generation_module
 from client.drafts import MISSES_BEFORE_PAUSE, PAUSE_STEPS, PromptLookup
+from leased import Given
 from client.generation import Generation, Sampling
 from test_checked_generation import PROMPT, Head, honest_next
 from test_generation import byte_tokenizer
@@ -71,20 +71,15 @@ class CountingSession:
 
 def run(speculate: int, max_tokens: int = 40, **sampling) -> tuple[str, int]:
     session = CountingSession()
-    original = generation_module.InferenceSession
-    generation_module.InferenceSession = lambda client, max_length: session
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            gen = Generation(None, Head(), byte_tokenizer(eos_token="<eos>"), pool, PROMPT,
-                             Sampling(max_tokens=max_tokens, speculate=speculate, logprobs=1,
-                                      **{"temperature": 0.0, **sampling}), [])
+    with ThreadPoolExecutor(1) as pool:
+        gen = Generation(None, Head(), byte_tokenizer(eos_token="<eos>"), pool, PROMPT,
+                         Sampling(max_tokens=max_tokens, speculate=speculate, logprobs=1,
+                                  **{"temperature": 0.0, **sampling}), [], sessions=Given(session))
 
-            async def collect():
-                return [d for deltas in [x async for x in gen.run()] for d in deltas]
+        async def collect():
+            return [d for deltas in [x async for x in gen.run()] for d in deltas]
 
-            deltas = asyncio.run(asyncio.wait_for(collect(), 30))
-    finally:
-        generation_module.InferenceSession = original
+        deltas = asyncio.run(asyncio.wait_for(collect(), 30))
     assert sum(len(d.logprobs) for d in deltas) == max_tokens  # each token's log-probability, drafted or not
     return "".join(d.text for d in deltas), session.steps
 

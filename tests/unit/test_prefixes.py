@@ -8,6 +8,7 @@ import random
 
 from client.api.prefixes import PrefixTree
 from client.api.reuse import MIN_SHARED, Reuse
+from client.leases import Lease
 
 
 def common(a, b) -> int:
@@ -62,30 +63,44 @@ class Session:
 
 def test_a_request_takes_the_session_its_prompt_extends_and_forks_one_it_only_shares():
     async def main():
-        pool = Reuse(max_tokens=1000, max_seconds=60)
+        pool = Reuse(None, max_tokens=1000, max_seconds=60)
         system = list(range(100, 100 + MIN_SHARED + 4))
         first = Session()
         assert pool.keep(first, system + [1, 2, 3])
         assert first.live.resting  # a kept session does not count toward its peers' load
-        start = pool.start(system + [1, 2, 3, 4, 5], reusable=True)  # the next turn: taken
-        assert (start.session, start.position, start.fork) == (first, len(system) + 3, False)
+        taken = pool.choose(system + [1, 2, 3, 4, 5])  # the next turn: taken
+        assert (taken.how, taken.kept.session, taken.position) == ("kept", first, len(system) + 3)
         assert len(pool.kept) == 0
         pool.keep(first, system + [1, 2, 3, 4, 5, 6])
-        other = pool.start(system + [7, 8, 9, 10, 11, 12, 13, 14], reusable=True)  # the same system prompt only
-        assert (other.session, other.position, other.fork) == (first, len(system), True)
-        assert len(pool.kept) == 1  # kept for its own conversation
-        assert pool.start(system + [7], reusable=False) is None
-        assert pool.start([5, 6, 7], reusable=True) is None  # nothing shared
-        other.forked()
+        other = pool.choose(system + [7, 8, 9, 10, 11, 12, 13, 14])  # the same system prompt only
+        assert (other.how, other.kept.session, other.position) == ("fork", first, len(system))
+        assert len(pool.kept) == 1 and other.kept.forks == 1  # kept for its own conversation, pinned meanwhile
+        assert pool.choose(system + [1, 2, 3, 4, 5, 6, 7]).how == "fork"  # a pinned session is not taken
+        assert pool.choose([5, 6, 7]).how == ""  # nothing shared: a new session
         await pool.close()
         assert first.closed
 
     asyncio.run(main())
 
 
+def test_a_running_request_is_forked_once_it_shares_clearly_more():
+    async def main():
+        pool = Reuse(None, max_tokens=1000, max_seconds=60)
+        system = list(range(100, 100 + 3 * MIN_SHARED))
+        running = Lease()
+        pool.running.insert(running, system + [1])
+        chosen = pool.choose(system + [2, 3])
+        assert (chosen.how, chosen.of, chosen.position) == ("running", running, len(system))
+        pool.keep(Session(), system[:MIN_SHARED] + [9] * 10)  # a kept session sharing less than the running one
+        assert pool.choose(system + [2, 3]).how == "running"
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def test_the_budget_closes_the_least_recently_used_first():
     async def main():
-        pool = Reuse(max_tokens=100, max_seconds=60)
+        pool = Reuse(None, max_tokens=100, max_seconds=60)
         sessions = [Session() for _ in range(3)]
         for i, session in enumerate(sessions):
             pool.keep(session, [i] * 40)
@@ -101,11 +116,11 @@ def test_the_budget_closes_the_least_recently_used_first():
 
 def test_a_session_unused_too_long_is_closed():
     async def main():
-        pool = Reuse(max_tokens=100, max_seconds=0.05)
+        pool = Reuse(None, max_tokens=100, max_seconds=0.05)
         session = Session()
         pool.keep(session, [1] * 30)
         await asyncio.sleep(0.1)
-        assert pool.start([1] * 40, reusable=True) is None
+        assert pool.choose([1] * 40).how == ""
         await asyncio.sleep(0)
         assert session.closed
 
