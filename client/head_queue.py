@@ -4,8 +4,9 @@ A server runs many generations on one event loop; each token of each needs the l
 state, and the LM head's weights (a vocabulary by the hidden size: 113 MB for the demo model in float32) are
 read once per call whatever its rows: one row takes 7.9 ms here, eight take 15 ms. So generations do not call
 the head themselves: they queue their hidden states, and one call at a time in the executor computes every
-queued row. Nothing waits for company: a call takes what is queued when it starts, and what arrives while it
-runs goes into the next one (continuous batching, as on the peers).
+queued row. A call takes what is queued when it starts, and what arrives while it runs goes into the next one
+(continuous batching, as on the peers), with the peers' one exception (`swarm.machine`): while every core of
+the machine has other work, a call with fewer rows than the last one waits for more, `COMPANY_WAIT` at most.
 """
 
 from __future__ import annotations
@@ -15,15 +16,22 @@ from concurrent.futures import Executor
 
 import torch
 
+from swarm import machine
+
+COMPANY_WAIT = 0.05  # the longest a call waits for the rows of the last one, and only while every core is busy
+COMPANY_CHECK = 0.001  # seconds between looks while it waits
+
 
 class HeadQueue:
     """`await logits(hidden)`: the head's logits of `hidden` [..., hidden size] (any leading shape), computed
     together with the other generations' rows queued at the same time."""
 
-    def __init__(self, head, executor: Executor):
+    def __init__(self, head, executor: Executor, company_wait: float = COMPANY_WAIT, cores_busy=machine.cores_busy):
         self.head, self.executor = head, executor
+        self.company_wait, self.cores_busy = company_wait, cores_busy
         self._queued: list[tuple[torch.Tensor, asyncio.Future]] = []
         self._running = False
+        self._last = 0  # the callers of the last call
         self.calls = self.rows = 0  # head calls made, and the rows they computed
 
     async def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -38,7 +46,11 @@ class HeadQueue:
         loop = asyncio.get_running_loop()
         try:
             while self._queued:
+                deadline = loop.time() + self.company_wait
+                while len(self._queued) < self._last and loop.time() < deadline and self.cores_busy():
+                    await asyncio.sleep(COMPANY_CHECK)
                 batch, self._queued = self._queued, []
+                self._last = len(batch)
                 batch = [(h, f) for h, f in batch if not f.cancelled()]
                 if not batch:
                     continue

@@ -208,9 +208,9 @@ def test_full_queue_is_busy_at_once_for_batchable_jobs():
         assert rt.queued == 0
 
 
-# ---- continuous batching: no waiting for the last batch's sessions ----
+# ---- continuous batching: waiting for the last batch's sessions only while every core is busy ----
 
-def test_the_next_job_never_waits_for_the_owners_of_the_last_batch():
+def test_the_next_job_never_waits_for_the_owners_of_the_last_batch_while_a_core_is_free():
     rec = Recorder(delay=0.4)
 
     async def main(rt):
@@ -222,9 +222,60 @@ def test_the_next_job_never_waits_for_the_owners_of_the_last_batch():
         second = await batchable(rt, rec, "b2", "b")()
         return first, second, took
 
-    with Runtime() as rt:
+    with Runtime(company_wait=5.0, cores_busy=lambda: False) as rt:
         first, second, took = asyncio.run(main(rt))
     assert (first, second) == (("alone", "a2"), ("alone", "b2"))
-    assert took < 0.15  # a batch of 0.4 s before it would have allowed a wait of 0.2 s
+    assert took < 0.15
     assert rec.log == [("batch", "a1", "b1"), ("alone", "a2"), ("alone", "b2")]
 
+
+def test_while_every_core_is_busy_the_next_job_waits_for_the_last_batch_a_bounded_time():
+    rec = Recorder(delay=0.1)
+
+    async def main(rt):
+        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
+        rec.delay = 0.0
+        first = asyncio.create_task(batchable(rt, rec, "a2", "a")())
+        await asyncio.sleep(0.03)  # b's next step comes a little later, as over a network
+        second = asyncio.create_task(batchable(rt, rec, "b2", "b")())
+        together = (await first, await second)
+        started = time.monotonic()
+        alone = await batchable(rt, rec, "a3", "a")()  # b is gone: a waits once, at most `company_wait`
+        return together, alone, time.monotonic() - started
+
+    with Runtime(company_wait=0.2, cores_busy=lambda: True) as rt:
+        together, alone, took = asyncio.run(main(rt))
+    assert together == (("batch", "a2"), ("batch", "b2")) and alone == ("alone", "a3")
+    assert 0.15 <= took < 1.0
+    assert rec.log == [("batch", "a1", "b1"), ("batch", "a2", "b2"), ("alone", "a3")]
+
+
+def test_other_work_is_never_held_back_by_waiting_for_company():
+    rec = Recorder(delay=0.1)
+
+    async def main(rt):
+        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
+        rec.delay = 0.0
+        started = time.monotonic()
+        waiting = asyncio.create_task(batchable(rt, rec, "a2", "a")())
+        await asyncio.sleep(0.01)
+        other = await plain(rt, rec, "p")()  # ends the wait for b
+        return await waiting, other, time.monotonic() - started
+
+    with Runtime(company_wait=5.0, cores_busy=lambda: True) as rt:
+        waited, other, took = asyncio.run(main(rt))
+    assert (waited, other) == (("alone", "a2"), ("alone", "p"))
+    assert took < 1.0
+    assert rec.log[-2:] == [("alone", "a2"), ("alone", "p")]
+
+
+def test_the_cores_are_busy_when_more_threads_are_ready_than_cores(tmp_path):
+    from swarm import machine
+
+    loadavg = tmp_path / "loadavg"
+    for running, busy in ((1, False), (machine.CORES, False), (machine.CORES + 1, True)):
+        loadavg.write_text(f"0.50 0.40 0.30 {running}/300 12345\n")
+        assert machine.cores_busy(str(loadavg)) is busy  # this thread is one of the running
+    loadavg.write_text("garbage")
+    assert machine.cores_busy(str(loadavg)) is False
+    assert machine.cores_busy(str(tmp_path / "missing")) is False
