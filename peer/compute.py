@@ -22,7 +22,7 @@ from swarm.span import Span
 # steps run between them: a long prompt delays them by one chunk at most, not by its whole prefill. The
 # servicer sizes chunks by the peer's measured prefill speed (`chunk_tokens`); this is the size without one.
 PREFILL_CHUNK = 128
-PREFILL_TURN_S = 0.05  # seconds of compute a chunk takes at most, by the measured prefill speed ...
+PREFILL_TURN_S = 0.02  # seconds of compute a chunk takes at most, by the measured prefill speed ...
 MIN_CHUNK = 32  # ... but never fewer tokens than this (each chunk reads every weight once)
 # A stateless forward runs as jobs of at most this many token-rows x blocks each (one row and one block at
 # least), so other clients' steps run between them: 0.35 s of one demo-model CPU thread, where an 18.9 MB

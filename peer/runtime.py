@@ -33,7 +33,8 @@ was charged its own step on top of it and came after every flooder at that level
 other clients' long forwards and prefills make a client that uses less than its share wait for at most the
 one job already running, however many clients send them (each identity is a client: fresh ones come in with
 the same credit).
-Among one client's jobs, and among jobs that name no client, order is FIFO; a job that joins a batch
+Among one client's jobs, and among jobs that name no client, order is FIFO, but for the chunks of a long step
+(`Batch.later`): the client's jobs of other owners queued after one go first; a job that joins a batch
 moves ahead of the jobs it skips by that one batch, never more. Jobs of one owner (session) keep their
 order: a job never joins a batch while an older job of its owner is still queued, and two jobs of one
 owner never share a batch.
@@ -79,6 +80,7 @@ class Batch(NamedTuple):
     fn: Callable[[list[tuple]], Sequence[Any]]
     owner: Hashable  # jobs of the same owner (session) keep their order and never share a call
     rows: int = 1  # what the job adds to a batch's rows (`max_batch_rows`)
+    later: bool = False  # a chunk of a long step: its client's other owners' queued jobs may go first
 
 
 class _Job:
@@ -197,13 +199,18 @@ class Runtime:
                     return self._gather(head, key)
 
     def _next(self) -> _Job:
-        """Take the oldest queued job of the client that has used the least compute (lock held)."""
-        head, seen = None, set()
+        """Take the oldest queued job of the client that has used the least compute (lock held): of its jobs, the
+        oldest not marked `later`, if any (a long step's chunks make way for the decode steps of its other
+        sessions: one prompt delays them by one chunk at most)."""
+        first: dict[Hashable, _Job] = {}
         for job in self._jobs:
-            if job.client not in seen and not job.future.cancelled():
-                seen.add(job.client)
-                if head is None or self._used[job.client] < self._used[head.client]:
-                    head = job
+            if job.future.cancelled():
+                continue
+            seen = first.get(job.client)
+            if seen is None or (seen.batch is not None and seen.batch.later and
+                                (job.batch is None or not job.batch.later) and job.batch.owner != seen.batch.owner):
+                first[job.client] = job
+        head = min(first.values(), key=lambda job: self._used[job.client])
         self._jobs.remove(head)
         self._served = max(self._served, self._used[head.client])
         return head

@@ -443,7 +443,7 @@ class Servicer:
         job, deadline = self.compute.prefill(session, step, chunk), time.monotonic() + self.config.step_timeout
         for part in range(len(job.parts)):
             result = await self.runtime.run(job.run, part, timeout=max(0.0, deadline - time.monotonic()),
-                                            batch=Batch(None, None, session.id), client=session.client)
+                                            batch=Batch(None, None, session.id, later=True), client=session.client)
         return result
 
     # ---- stateless forward ----
