@@ -208,7 +208,7 @@ class Runtime:
                 continue
             seen = first.get(job.client)
             if seen is None or (seen.batch is not None and seen.batch.later and
-                                (job.batch is None or not job.batch.later) and job.batch.owner != seen.batch.owner):
+                                (job.batch is None or (not job.batch.later and job.batch.owner != seen.batch.owner))):
                 first[job.client] = job
         head = min(first.values(), key=lambda job: self._used[job.client])
         self._jobs.remove(head)

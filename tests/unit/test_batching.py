@@ -279,3 +279,16 @@ def test_the_cores_are_busy_when_more_threads_are_ready_than_cores(tmp_path):
     loadavg.write_text("garbage")
     assert machine.cores_busy(str(loadavg)) is False
     assert machine.cores_busy(str(tmp_path / "missing")) is False
+
+
+def test_a_long_steps_chunks_make_way_for_the_other_sessions_steps():
+    rec = Recorder()
+
+    def chunk(x, owner):
+        return lambda: rt.run(rec.alone, x, batch=Batch(None, None, owner, later=True))
+
+    with Runtime(cores_busy=lambda: False) as rt:
+        asyncio.run(held(rt, [chunk("p1", "long"), batchable(rt, rec, "a", "a"), chunk("p2", "long"),
+                              batchable(rt, rec, "b", "b"), plain(rt, rec, "c")]))
+    # the decode steps of other sessions (and the plain job) before the chunks; the chunks keep their order
+    assert rec.log == [("batch", "a", "b"), ("alone", "c"), ("alone", "p1"), ("alone", "p2")]
