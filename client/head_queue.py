@@ -54,8 +54,8 @@ class HeadQueue:
                 batch = [(h, f) for h, f in batch if not f.cancelled()]
                 if not batch:
                     continue
-                flat = [h.reshape(-1, h.shape[-1]) for h, _ in batch]
                 try:
+                    flat = [h.reshape(-1, h.shape[-1]) for h, _ in batch]
                     out = await loop.run_in_executor(self.executor, self.head.logits, torch.cat(flat))
                 except Exception as e:  # boundary: each caller gets the head's error
                     for _, f in batch:

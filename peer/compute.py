@@ -88,11 +88,16 @@ class Compute:
             raise BadRequest(f"'fork_length' {length} is past the end of session {source.id}: it holds {cache.length} "
                              "positions")
         committed = session.rows
-        session.cache = cache.fork(length, session.max_length, committed.take_credits())
+        credits = committed.take_credits()
+        try:
+            session.cache = cache.fork(length, session.max_length, credits)
+        except BaseException:
+            committed.return_credits(credits)  # the session still holds them: its close gives them back
+            raise
         session.rows, session.blocks = session.cache.rows, source.blocks
         committed.release()
         if session.closed:  # closed meanwhile: what the fork holds goes back too
-            session.rows.release()
+            session.rows.release(later=True)
 
     def prefill(self, session: ServedSession, step: messages.Step, chunk: int) -> Prefill:
         """A step of many tokens as jobs of at most `chunk` tokens each (`Prefill`)."""
@@ -135,11 +140,12 @@ class Compute:
             except Exception as e:  # boundary: every session of a failed forward gets its error; caches untouched
                 return [e if r is None else r for r in results]
             compute_ms = (time.perf_counter() - started) * 1e3
-            if self.on_batch is not None:
-                self.on_batch(len(shared))
+            ran = sum(1 for out in outs if not isinstance(out, BaseException))
+            if self.on_batch is not None and ran > 1:
+                self.on_batch(ran)
             for (i, cache), out in zip(shared, outs):
-                results[i] = (messages.Hidden.encode(out, items[i][1].hidden.encoding), compute_ms, cache.length,
-                              len(shared))
+                results[i] = out if isinstance(out, BaseException) else (
+                    messages.Hidden.encode(out, items[i][1].hidden.encoding), compute_ms, cache.length, ran)
         return results
 
     def forward(self, span: Span, forward: messages.Forward) -> Forward:

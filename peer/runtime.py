@@ -65,6 +65,7 @@ MAX_BATCH_ROWS = 64
 # The longest a batch waits for the sessions of the last one, and only while every core is busy (docstring).
 COMPANY_WAIT = 0.05
 COMPANY_CHECK = 0.001  # seconds between looks at the cores while it waits (a step queued ends the look at once)
+IDLE_TICK = 0.5  # seconds between calls of `between` while the worker has nothing to do
 # Seconds of compute a client that starts queueing again may be behind the client served last: more than a
 # demo-model decode step through 30 blocks on one thread (0.05 s), so a session's step never waits behind a
 # flooder's; at most this much of another client's idle time is ever made up for.
@@ -126,9 +127,12 @@ class ClientSlots:
 class Runtime:
     def __init__(self, max_queue: int = 256, name: str = "compute", max_batch_rows: int = MAX_BATCH_ROWS,
                  idle_credit: float = IDLE_CREDIT, company_wait: float = COMPANY_WAIT,
-                 cores_busy: Callable[[], bool] = machine.cores_busy):
+                 cores_busy: Callable[[], bool] = machine.cores_busy, between: Callable[[], None] | None = None):
+        """`between`: called on the worker thread before each job and, while idle, every `IDLE_TICK` seconds (no
+        job runs then: the peer frees there the cache blocks of sessions closed meanwhile)."""
         self.max_queue, self.max_batch_rows = max_queue, max_batch_rows
         self.company_wait, self.cores_busy = company_wait, cores_busy
+        self.between = between
         self.idle_credit = idle_credit
         self._jobs: deque[_Job] = deque()
         self._ready = threading.Condition()
@@ -188,9 +192,12 @@ class Runtime:
                 if not self._jobs:
                     if self._stopping:
                         return None
-                    self._ready.wait()
+                    if not self._ready.wait(IDLE_TICK):
+                        self._between()
                     continue
                 head = self._next()
+                if head is None:  # only jobs whose callers gave up: dropped above on the next look
+                    continue
                 key = head.batch.key if head.batch is not None else None
                 if key is None:
                     return [head]
@@ -198,18 +205,21 @@ class Runtime:
                 if not head.future.cancelled():  # its caller may have given up while it waited
                     return self._gather(head, key)
 
-    def _next(self) -> _Job:
+    def _next(self) -> _Job | None:
         """Take the oldest queued job of the client that has used the least compute (lock held): of its jobs, the
         oldest not marked `later`, if any (a long step's chunks make way for the decode steps of its other
         sessions: one prompt delays them by one chunk at most)."""
         first: dict[Hashable, _Job] = {}
-        for job in self._jobs:
+        for job in list(self._jobs):
             if job.future.cancelled():
+                self._jobs.remove(job)
                 continue
             seen = first.get(job.client)
             if seen is None or (seen.batch is not None and seen.batch.later and
                                 (job.batch is None or (not job.batch.later and job.batch.owner != seen.batch.owner))):
                 first[job.client] = job
+        if not first:
+            return None
         head = min(first.values(), key=lambda job: self._used[job.client])
         self._jobs.remove(head)
         self._served = max(self._served, self._used[head.client])
@@ -266,11 +276,19 @@ class Runtime:
         self._jobs = kept
         return taken
 
+    def _between(self) -> None:
+        if self.between is not None:
+            try:
+                self.between()
+            except Exception:  # boundary: the worker outlives a failing hook
+                logger.exception("the runtime's between-jobs call failed")
+
     def _work(self) -> None:
         while True:
             jobs = self._take()
             if jobs is None:
                 return
+            self._between()
             started = time.perf_counter()
             if len(jobs) == 1:
                 try:

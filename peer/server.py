@@ -45,6 +45,7 @@ from swarm.net import known_peers
 from swarm.net.reach import RelayLimits
 from swarm.net import view, wire
 from peer import placement, selection
+from swarm.model import kv
 from swarm.model.blocks import SpanBlocks
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import SwarmError, SwarmUnreachable
@@ -288,7 +289,7 @@ class Peer:
                                 self.released.set)
         served_info = Served(self.node.peer_id, self.model_id, span, __version__, self.capacity.throughput(len(span)),
                              self.capacity.prefill_tps(len(span)), self.digest)
-        with Runtime(config.max_queue) as runtime:
+        with Runtime(config.max_queue, between=kv.collect_all) as runtime:  # closed sessions' blocks freed there
             servicer = self.servicer = Servicer(config, served_info, blocks, runtime, sessions, self.metrics,
                                                 self.precision)
             servicer.capacity = self.capacity

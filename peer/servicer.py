@@ -418,7 +418,8 @@ class Servicer:
         # one-token steps may share a forward with other sessions' (`Compute.batch`); longer ones run alone, a long
         # one in chunks with other sessions' steps between them
         key = (id(session.blocks), session.span, step.hidden.encoding) if tokens == 1 else None
-        chunk = chunk_tokens(self.served.prefill_tps)
+        # recurrent blocks keep a snapshot per step end: their prompts run whole, not one snapshot per chunk
+        chunk = tokens if session.blocks.recurrent else chunk_tokens(self.served.prefill_tps)
         session.inflight += 1
         try:
             if tokens > chunk:

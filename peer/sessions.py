@@ -146,10 +146,10 @@ class SessionTable:
         """A new session of `client` whose cache lives in `pool` (default: the table's own, which only counts),
         with `GROW_TOKENS` per sequence committed; `shared`: for a fork, the tokens per sequence it will hold of its
         source's (its full blocks are shared: only the rest is committed here, the fork takes it when made)."""
-        if batch * max_length > self.cache_tokens:
+        pool = pool or self.pool
+        if batch * pool.blocks_for(max_length) * pool.block_tokens > self.cache_tokens:  # in whole blocks
             raise OutOfCache(f"a session of batch {batch} x length {max_length} needs more than this peer's whole "
                              f"cache ({self.cache_tokens} tokens); try another peer or a shorter max length")
-        pool = pool or self.pool
         room = room_for(max(shared, 1), max_length)
         kept = shared // pool.block_tokens if pool.mapped else 0  # full blocks of the source a fork maps, not copies
         blocks = batch * (pool.blocks_for(room) - kept)
@@ -245,8 +245,8 @@ class SessionTable:
         session = self.sessions.pop(sid, None)
         if session is not None:
             session.closed, session.why = True, why
-            if session.rows is not None:  # its blocks go back to the pool now; a step still running reads on
-                session.rows.release()
+            if session.rows is not None:  # counted free now; reused once no step of it can run (`Pool.collect`)
+                session.rows.release(later=True)
             session.cache = None
             if self.on_release is not None:
                 self.on_release()

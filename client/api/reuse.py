@@ -103,8 +103,7 @@ class Reuse:
         finally:
             self.running.remove(lease)
             lease.prefilled.set()  # forks waiting for this prompt look again (they find it ran, or not)
-            if lease.session is not None and not (lease.tokens is not None and self.keep(lease.session,
-                                                                                         lease.tokens)):
+            if lease.session is not None and not (lease.tokens is not None and self._kept(lease)):
                 lease.closing = self._close_later(lease.session)
 
     def choose(self, prompt: list[int]) -> Choice:
@@ -170,6 +169,13 @@ class Reuse:
         if can_fork(source, position):
             lease.session = await fork(source, position, max(max_length, position))
             lease.cached, lease.how = position, how
+
+    def _kept(self, lease: Lease) -> bool:
+        try:
+            return self.keep(lease.session, lease.tokens)
+        except Exception:  # boundary: a bookkeeping bug closes the session rather than losing it
+            logger.exception("keeping a finished session failed")
+            return False
 
     def keep(self, session: InferenceSession, tokens: list[int]) -> bool:
         """Keep a finished request's session (True), unless reuse is off or it holds too little."""

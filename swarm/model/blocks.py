@@ -29,9 +29,10 @@ from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionA
 
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.model.precision import Precision, module_bytes, quantize
-from swarm.errors import BadRequest
+from swarm.errors import BadRequest, SwarmError
 from swarm.model.cache import ATTENTION, HYBRID, RECURRENT, AttentionLayer, LengthLayer, SpanCache, kind_cache, span_kv
-from swarm.model.ragged import NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, configs_of, ragged
+from swarm.model.ragged import (NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, batch_dependent,
+                                configs_of, ragged)
 from swarm.model.kv import KVLayout, Pool, Rows
 from swarm.model.frame import LayerSlot, Plan, build, position_ids_for
 from swarm.span import Span
@@ -86,7 +87,7 @@ class SpanBlocks(torch.nn.Module):
         self.attention_implementation = getattr(self.config, "_attn_implementation", None) or "eager"
         self._configs = configs_of(self.outside)
         # whether steps of several sessions share one forward: until the family shows it cannot (`decode_batch`)
-        self.ragged = self.attention_implementation in RAGGED_NAMES
+        self.ragged = self.attention_implementation in RAGGED_NAMES and not batch_dependent(self.config)
         self._entries: dict[Span, torch.nn.ModuleList] = {}
         self._slots = list(self.frame.entries)
         self.requires_grad_(False)
@@ -196,7 +197,8 @@ class SpanBlocks(torch.nn.Module):
 
     @torch.inference_mode()
     def decode_batch(self, items: Sequence[tuple[SpanCache, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-        """One-token steps of several sessions, at their caches' ends, as one forward; one output per item.
+        """One-token steps of several sessions, at their caches' ends, as one forward; one output per item, or
+        the typed error of that item's step alone (its session closed meanwhile, no block for its token).
 
         Each item is (cache, hidden [batch_i, 1, hidden], attention mask [batch_i, length_i + 1] or None);
         all caches are of one span. The result equals running `self(hidden, cache, cache.length, mask)`
@@ -219,25 +221,43 @@ class SpanBlocks(torch.nn.Module):
         if len({id(cache) for cache, _, _ in items}) != len(items):
             raise BadRequest(f"blocks {self.span}: a batch holds two steps of one session")
         if len(items) == 1 or not self.ragged or any(cache.stateful for cache, _, _ in items):
-            return [self(hidden, cache, cache.length, mask) for cache, hidden, mask in items]
-        for cache, _, _ in items:
-            cache.begin(1)
+            return [self._alone(hidden, cache, mask) for cache, hidden, mask in items]
+        results: list = [None] * len(items)
+        ready = []  # (index, item) of the steps that have room for their token
+        for i, item in enumerate(items):
+            try:
+                item[0].begin(1)
+                ready.append((i, item))
+            except SwarmError as e:  # closed meanwhile, or no block for its token: that step alone fails
+                results[i] = e
+        if not ready:
+            return results
         try:
-            out = self._ragged(run, items, lengths)
+            out = self._ragged(run, [item for _, item in ready], [lengths[i] for i, _ in ready])
         except RaggedUnsupported as e:
-            for cache, _, _ in items:
+            for _, (cache, _, _) in ready:
                 cache.abort()
             self.ragged = False
             logger.info("blocks %s of %s: steps of several sessions run one at a time (%s)", self.span,
                         self.model_type, e)
-            return [self(hidden, cache, cache.length, mask) for cache, hidden, mask in items]
+            for i, (cache, hidden, mask) in ready:
+                results[i] = self._alone(hidden, cache, mask)
+            return results
         except BaseException:
-            for cache, _, _ in items:
+            for _, (cache, _, _) in ready:
                 cache.abort()
             raise
-        for cache, _, _ in items:
+        for (i, (cache, hidden, _)), part in zip(ready, out.split([h.shape[0] for _, (_, h, _) in ready])):
             cache.advance(1)
-        return list(out.split([hidden.shape[0] for _, hidden, _ in items]))
+            results[i] = part
+        return results
+
+    def _alone(self, hidden: torch.Tensor, cache: SpanCache, mask: torch.Tensor | None):
+        """One step of a batch run by itself: its output, or its error (the batch's other steps go on)."""
+        try:
+            return self(hidden, cache, cache.length, mask)
+        except SwarmError as e:
+            return e
 
     def _ragged(self, run: Span, items, lengths: list[int]) -> torch.Tensor:
         """The ragged forward of `items` (prepared): rows in item order, left-padded mask to the longest."""

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import heapq
 import mmap
@@ -96,6 +97,15 @@ class KVLayout:
             and self.token_bytes > 0 and page_block_tokens(self.token_bytes) <= MAX_BLOCK_TOKENS
 
 
+POOLS: weakref.WeakSet = weakref.WeakSet()  # every pool of this process: `collect_all`
+
+
+def collect_all() -> None:
+    """Free every pool's blocks in limbo (`Pool.collect`): what a compute thread calls between its jobs."""
+    for pool in list(POOLS):
+        pool.collect()
+
+
 def page_block_tokens(token_bytes: int) -> int:
     """The fewest tokens (at least `MIN_BLOCK_TOKENS`) whose bytes are a whole number of pages."""
     tokens = MIN_BLOCK_TOKENS
@@ -149,6 +159,7 @@ class Pool:
         self.block_bytes = self.block_tokens * layout.token_bytes
         self.blocks = -(-tokens // self.block_tokens)
         self._free = list(range(self.blocks))  # a heap
+        self._limbo: list[int] = []  # blocks no session holds, not free until `collect` (a step may still read them)
         self._refs = [0] * self.blocks
         self.reserved = 0  # credits outstanding
         self.lock = threading.RLock()  # also taken by a storage given back when dropped
@@ -157,11 +168,12 @@ class Pool:
             self.fd = os.memfd_create("swarm-kv", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, self.blocks * self.block_bytes)  # no memory until a page is written
             weakref.finalize(self, os.close, self.fd)
+        POOLS.add(self)
 
     @property
     def used(self) -> int:
         """Blocks some session holds (a shared block once)."""
-        return self.blocks - len(self._free)
+        return self.blocks - len(self._free) - len(self._limbo)
 
     @property
     def committed(self) -> int:
@@ -190,7 +202,7 @@ class Pool:
     def _take(self, n: int, credits: int) -> list[int]:
         """`n` free blocks (lock held), paid with up to `credits` credits first; `OutOfCache` taking nothing."""
         paid = min(n, credits)
-        if n - paid > self.available:
+        if n - paid > self.available or n > len(self._free):
             raise OutOfCache(f"the cache is full: {n} blocks of {self.block_tokens} tokens needed, "
                              f"{self.available} of {self.blocks} free")
         self.reserved -= paid
@@ -199,20 +211,39 @@ class Pool:
             self._refs[i] = 1
         return ids
 
+    def _refs_clear(self, ids) -> None:
+        for i in ids:
+            self._refs[i] = 0
+
     def _retain(self, ids) -> None:
         for i in ids:
             self._refs[i] += 1
 
-    def _release(self, ids) -> None:
+    def _release(self, ids, later: bool = False) -> None:
+        """Drop one hold of each block (lock held); those nobody holds any more are free, or with `later` in limbo
+        until `collect`: counted as free, but neither given out nor emptied before then."""
         freed = []
         for i in ids:
             self._refs[i] -= 1
             if not self._refs[i]:
-                heapq.heappush(self._free, i)
                 freed.append(i)
+        if later:
+            self._limbo.extend(freed)
+        else:
+            self._free_all(freed)
+
+    def _free_all(self, ids: list[int]) -> None:
+        for i in ids:
+            heapq.heappush(self._free, i)
         if self.mapped:
-            for start, count in _runs(sorted(freed)):  # the memory goes back to the system
+            for start, count in _runs(sorted(ids)):  # the memory goes back to the system
                 _c().fallocate(self.fd, _FALLOC_PUNCH_HOLE, start * self.block_bytes, count * self.block_bytes)
+
+    def collect(self) -> None:
+        """Free the blocks in limbo: call it where no step can read them (between two jobs of the compute thread)."""
+        with self.lock:
+            limbo, self._limbo = self._limbo, []
+            self._free_all(limbo)
 
     def shared(self, block: int) -> bool:
         return self._refs[block] > 1
@@ -239,18 +270,16 @@ class _Holdings:
     tables: list[list[int]]
     credits: int = 0
     closed: bool = False
-    covered: int = 0  # once closed: tokens per row its address range still has mapped (given back blocks)
 
 
-def _give_back(pool: Pool, holdings: _Holdings) -> None:
+def _give_back(pool: Pool, holdings: _Holdings, later: bool = False) -> None:
     with pool.lock:
         if holdings.closed:
             return
         holdings.closed = True
-        holdings.covered = min(len(t) for t in holdings.tables) * pool.block_tokens if holdings.tables else 0
         pool.reserved -= holdings.credits
         holdings.credits = 0
-        pool._release([b for t in holdings.tables for b in t])
+        pool._release([b for t in holdings.tables for b in t], later)
         holdings.tables[:] = [[] for _ in holdings.tables]
 
 
@@ -324,9 +353,23 @@ class Rows:
             self.credits += blocks
             return True
 
-    def release(self) -> None:
-        """Give every block and credit back (the session closed). Views already taken stay readable."""
-        self._give_back()
+    def release(self, later: bool = False) -> None:
+        """Give every block and credit back (the session closed). With `later` (a compute thread may be running a
+        step of it), its blocks stay as they are until the pool's next `collect`; views already taken stay
+        readable either way."""
+        if later:
+            self._give_back.detach()
+            _give_back(self.pool, self.holdings, later=True)
+        else:
+            self._give_back()
+
+    def return_credits(self, credits: int) -> None:
+        """Credits taken from this storage (`take_credits`) and not used, back to it."""
+        with self.pool.lock:
+            if self.closed:
+                self.pool.reserved -= credits
+            else:
+                self.credits += credits
 
     def take_credits(self) -> int:
         """This storage's credits, handed over (to the storage of a fork made for the same session)."""
@@ -347,25 +390,43 @@ class Rows:
         if end > self.capacity:
             raise BadRequest(f"a step to {end} tokens exceeds the session's {self.capacity}")
         with self.pool.lock:
-            if self.closed:  # closed while its step waited or ran: it writes where it still may, read by nobody
-                if end > self.holdings.covered:
-                    raise UnknownSession("the session was closed and its cache given back")
-                return
+            if self.closed:  # closed while its step waited: it may not write any more
+                raise UnknownSession("the session was closed and its cache given back")
             first, last = start // self.pool.block_tokens, self.pool.blocks_for(end)
             new = sum(max(0, last - len(t)) for t in self.tables)
             copies = [(r, j) for r, t in enumerate(self.tables) for j in range(first, min(last, len(t)))
                       if self.pool.shared(t[j])]
             ids = self.pool._take(new + len(copies), self.credits)
-            self.credits -= min(self.credits, new + len(copies))
-            taken = iter(ids)
-            for r, t in enumerate(self.tables):
-                while len(t) < last:
-                    t.append(next(taken))
-                    self._place(r, len(t) - 1, None)
-            for r, j in copies:
-                old, self.tables[r][j] = self.tables[r][j], next(taken)
-                self._place(r, j, old)
-                self.pool._release([old])
+            paid = min(self.credits, new + len(copies))
+            self.credits -= paid
+            placed: list[tuple[int, int, int | None]] = []  # (row, index, the block it replaced)
+            try:
+                taken = iter(ids)
+                for r, t in enumerate(self.tables):
+                    while len(t) < last:
+                        t.append(next(taken))
+                        placed.append((r, len(t) - 1, None))
+                        self._place(r, len(t) - 1, None)
+                for r, j in copies:
+                    old, self.tables[r][j] = self.tables[r][j], next(taken)
+                    placed.append((r, j, old))
+                    self._place(r, j, old)
+            except BaseException:  # a mapping failed: every block back where it was, nothing taken
+                for r, j, old in reversed(placed):
+                    if old is None:
+                        self.tables[r].pop()
+                    else:
+                        self.tables[r][j] = old
+                        with contextlib.suppress(Exception):
+                            self._place(r, j, None)
+                self.pool._free_all(ids)
+                self.pool._refs_clear(ids)
+                self.credits += paid
+                self.pool.reserved += paid
+                raise
+            for _, _, old in placed:
+                if old is not None:
+                    self.pool._release([old])
 
     def _place(self, row: int, index: int, copy_of: int | None) -> None:
         """Put the row's block `index` in place (its table entry is set); with `copy_of`, holding that block's
@@ -434,7 +495,7 @@ class MappedRows(Rows):
         full, partial = divmod(length, self.pool.block_tokens)
         with self.pool.lock:
             if self.closed:
-                raise OutOfCache("the source session's cache was given back")
+                raise UnknownSession("the source session was closed and its cache given back")
             shared = [t[:full] for t in self.tables]
             for r, blocks in enumerate(shared):
                 self.pool._retain(blocks)

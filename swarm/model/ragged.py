@@ -115,10 +115,15 @@ class RaggedLayer(LengthLayer):
 
 def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs):
-    """The family's own attention, once per session of the running ragged batch, over that session's views."""
+    """The family's own attention, once per session of the running ragged batch, over that session's views; in
+    a thread running no ragged batch (its layers' config switched by another's), the family's own attention."""
     batch = _CURRENT.batch
     if batch is None:
-        raise RaggedUnsupported("ragged attention was called outside a ragged batch")
+        implementation = _SWITCHED.get(id(getattr(module, "config", None)))
+        if implementation is None:
+            raise RaggedUnsupported("ragged attention was called outside a ragged batch")
+        return RaggedBatch((), implementation).attention(module)(module, query, key, value, attention_mask,
+                                                                  **kwargs)
     views = batch.pending.pop(id(key), None)
     if views is None:
         raise RaggedUnsupported(f"{type(module).__name__} changed its keys between the cache and attention")
@@ -148,6 +153,9 @@ def configs_of(model: torch.nn.Module) -> list[PreTrainedConfig]:
     return list(found.values())
 
 
+_SWITCHED: dict[int, str] = {}  # id(config) -> the family's own implementation, while a ragged batch switched it
+
+
 @contextlib.contextmanager
 def ragged(configs: Sequence[PreTrainedConfig], batch: RaggedBatch):
     """Within: `configs` ask for the ragged implementation, and `batch` is the running batch (this thread)."""
@@ -156,6 +164,7 @@ def ragged(configs: Sequence[PreTrainedConfig], batch: RaggedBatch):
         raise RaggedUnsupported(f"attention implementation {batch.implementation!r} is not run ragged")
     before = [c._attn_implementation_internal for c in configs]
     for c in configs:
+        _SWITCHED[id(c)] = batch.implementation
         c._attn_implementation_internal = name
     _CURRENT.batch = batch
     try:
@@ -164,3 +173,24 @@ def ragged(configs: Sequence[PreTrainedConfig], batch: RaggedBatch):
         _CURRENT.batch = None
         for c, impl in zip(configs, before):
             c._attn_implementation_internal = impl
+            _SWITCHED.pop(id(c), None)
+
+
+# Rotary embeddings whose frequencies follow the longest position of the whole batch (transformers' dynamic and
+# longrope updates): a session batched with a longer one would get that one's frequencies.
+BATCH_ROPES = ("dynamic", "longrope")
+
+
+def batch_dependent(config: PreTrainedConfig) -> str | None:
+    """Why the family's forward computes something for a batch from its longest sequence (so sessions of
+    different lengths cannot share one), or None."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [params.get("rope_type") or params.get("type")] if isinstance(params, dict) else []
+    if isinstance(params, dict):
+        kinds += [p.get("rope_type") or p.get("type") for p in params.values() if isinstance(p, dict)]
+    dynamic = sorted({k for k in kinds if k in BATCH_ROPES})
+    if dynamic:
+        return f"its rotary embeddings ({', '.join(dynamic)}) follow the longest sequence of a batch"
+    if getattr(config, "attn_temperature_tuning", False):
+        return "its attention temperature follows the cache's length"
+    return None

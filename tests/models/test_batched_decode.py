@@ -191,9 +191,9 @@ def test_servicer_batches_steps_and_fails_bad_ones_alone(tiny_checkpoint):
 
 @torch.inference_mode()
 def test_a_session_closed_during_a_shared_forward_fails_no_other_session(tiny_checkpoint, monkeypatch):
-    """The event loop may close a session (its cache dropped) while its step is in a shared forward: the
-    others get their outputs, and every session shares the one forward, whatever its length (each attends over its
-    own history)."""
+    """The event loop may close a session while its step waits for a shared forward: that step fails alone
+    (`unknown_session`), the others get their outputs from the one forward, whatever their lengths (each attends
+    over its own history)."""
     path = tiny_checkpoint("llama")
     blocks = SpanBlocks(path, Span(0, 6))
     config = PeerConfig(model=Path(path))
@@ -216,5 +216,40 @@ def test_a_session_closed_during_a_shared_forward_fails_no_other_session(tiny_ch
         steps = [torch.randn(1, 1, 64, generator=g) for _ in opened]
         results = servicer.compute.batch([(s, step_message(1, s.cache.length, x)) for s, x in zip(opened, steps)])
     assert calls == [4]  # one shared forward, the long cache among the short ones
-    assert all(isinstance(r, tuple) for r in results), results
-    assert [r[2] for r in results] == [4, 5, 6, 101]
+    assert isinstance(results[0], UnknownSession)  # closed before its token had room: it alone fails
+    assert all(isinstance(r, tuple) for r in results[1:]), results
+    assert [r[2] for r in results[1:]] == [5, 6, 101] and [r[3] for r in results[1:]] == [3, 3, 3]
+
+
+# ---- what a ragged batch cannot follow ----
+
+
+def test_families_whose_forward_follows_the_longest_sequence_of_a_batch_are_not_batched(tmp_path):
+    from family_harness import build
+
+    from swarm.model.ragged import batch_dependent
+
+    path = build("llama", tmp_path / "dynamic", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                  "rope_theta": 10000.0})
+    assert "dynamic" in batch_dependent(Checkpoint(path).text_config)
+    assert not SpanBlocks(path, Span(0, 6)).ragged  # its steps run one at a time, each with its own frequencies
+    assert batch_dependent(Checkpoint(build("llama", tmp_path / "plain")).text_config) is None
+
+
+@torch.inference_mode()
+def test_another_thread_gets_the_familys_own_attention_while_a_batch_has_switched_it(tiny_checkpoint):
+    """A peer moving to a new span probes it on another thread, with layers (and their config) it shares with
+    the blocks a ragged batch may be running on."""
+    import threading
+
+    from swarm.model.ragged import RaggedBatch, ragged
+
+    blocks = SpanBlocks(tiny_checkpoint("llama"), Span(0, 6))
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
+    expected = blocks(x)
+    got = []
+    with ragged(blocks._configs, RaggedBatch([], blocks.attention_implementation)):
+        thread = threading.Thread(target=lambda: got.append(blocks(x)))
+        thread.start()
+        thread.join(30)
+    assert torch.equal(got[0], expected)

@@ -149,3 +149,32 @@ def test_a_write_into_a_shared_block_copies_it_first(tiny_checkpoint):
         assert all(t[1] != s[1] for t, s in zip(source.rows.tables, shared))  # the second copied before written
         assert fork.rows.tables == shared
     assert torch.equal(fork.attention[0].keys, keys)
+
+
+@torch.inference_mode()
+def test_a_block_that_cannot_be_mapped_leaves_the_cache_as_it_was(tiny_checkpoint, monkeypatch):
+    blocks = SpanBlocks(tiny_checkpoint("llama"), Span(0, 6))
+    pool = blocks.pool
+    if not pool.mapped:
+        pytest.skip("only a mapped pool maps blocks")  # never on the machines CI runs on
+    source = run_prefix(blocks, Span(0, 6), steps=(2 * pool.block_tokens,))
+    fork = source.fork(2 * pool.block_tokens)
+    tables, used, reserved = [list(t) for t in source.rows.tables], pool.used, pool.reserved
+    keys = source.attention[0].keys.clone()
+    real, calls = type(source.rows)._place, []
+
+    def failing(self, row, index, copy_of):
+        calls.append(index)
+        if len(calls) == 2:
+            raise OSError("no room for another mapping")
+        return real(self, row, index, copy_of)
+
+    monkeypatch.setattr(type(source.rows), "_place", failing)
+    with pytest.raises(OSError):  # back into the shared first block (a copy), and on past the second
+        blocks(hidden(blocks, 2 * pool.block_tokens, 600), source, pool.block_tokens - 2)
+    monkeypatch.undo()
+    assert source.rows.tables == tables and (pool.used, pool.reserved) == (used, reserved)
+    back = pool.block_tokens - 2  # the step rolled the cache back first, as any step at a lower position does
+    assert source.length == back and torch.equal(source.attention[0].keys, keys[..., :back, :])
+    assert torch.equal(fork.attention[0].keys, keys)
+    blocks(hidden(blocks, 1, 601), source, source.length)  # and it goes on

@@ -20,6 +20,7 @@ from peer.runtime import Runtime
 from peer.servicer import Served, Servicer
 from peer.sessions import SessionTable
 from swarm.errors import BadRequest, OutOfCache, SwarmError
+from swarm.model import kv
 from swarm.model.blocks import SpanBlocks
 from swarm.net import messages
 from swarm.span import Span
@@ -47,7 +48,7 @@ class Peer:
         self.blocks.size_pool(cache_tokens)
         self.pool = self.blocks.pool
         self.table = SessionTable(cache_tokens, max_sessions, share)
-        self.runtime = Runtime()
+        self.runtime = Runtime(between=kv.collect_all)
         self.servicer = Servicer(self.config, Served("peer", "m", SPAN, "v"), self.blocks, self.runtime, self.table,
                                  PeerMetrics())
         self.g = torch.Generator().manual_seed(0)
@@ -86,6 +87,7 @@ def test_the_budget_counts_a_prefix_shared_by_forks_once(llama):
     assert all(f.cache.length == 100 for f in forks)
     for s in (source, *forks):
         peer.table.close(s.id)
+    peer.pool.collect()
     assert (peer.table.reserved, peer.pool.used, peer.pool.reserved, resident(peer.pool)) == (0, 0, 0, 0)
 
 
@@ -179,4 +181,51 @@ def test_thousands_of_sessions_leave_nothing_behind(llama):
     assert outcomes.get("fork", 0) > 100 and outcomes.get("rollback", 0) > 100 and outcomes.get("close", 0) > 300
     assert time.monotonic() - started < 300
     assert (peer.table.reserved, peer.pool.used, peer.pool.reserved) == (0, 0, 0)
+    peer.pool.collect()  # what the compute thread does between its jobs (it stopped with the runtime)
     assert resident(peer.pool) == baseline == 0  # every page of keys and values given back to the system
+
+
+def test_a_session_closed_while_its_step_runs_keeps_its_blocks_until_the_step_is_done(llama):
+    """Closing gives the blocks back to the count at once, but they are neither reused nor emptied before the
+    compute thread's next turn: a step still running reads what it wrote."""
+    blocks = SpanBlocks(llama, SPAN)
+    cache = blocks.new_cache(1, 64)
+    with torch.inference_mode():
+        blocks(torch.randn(1, 20, HIDDEN), cache, 0)
+    keys = cache.attention[0].keys.clone()
+    held = set(cache.rows.tables[0])
+    assert blocks.pool.used == len(held) == 2
+    cache.rows.release(later=True)  # as the session table does
+    assert blocks.pool.used == 0  # counted free at once
+    assert torch.equal(cache.attention[0].keys, keys)  # and still readable
+    other = blocks.new_cache(1, 64)
+    other.begin(16)  # a new session does not get its blocks before they are collected
+    assert not set(other.rows.tables[0]) & held
+    blocks.pool.collect()  # what the compute thread does between two jobs
+    assert blocks.pool.used == len(other.rows.tables[0]) == 1
+    if blocks.pool.mapped:
+        assert not cache.attention[0].keys.any()  # emptied: its pages went back to the system
+
+
+def test_a_fork_that_fails_gives_back_what_was_committed_for_it(tmp_path):
+    from family_harness import build
+
+    path = build("granitemoehybrid", tmp_path / "ckpt")
+    config = PeerConfig(model=path, cache_tokens=4096)
+    blocks = SpanBlocks(path, SPAN)
+    table = SessionTable(4096, 64)
+    with Runtime(between=kv.collect_all) as runtime:
+        servicer = Servicer(config, Served("peer", "m", SPAN, "v"), blocks, runtime, table, PeerMetrics())
+
+        async def main():
+            source = servicer._open(messages.Open("m", 0, 6, 256, 1), "c")
+            for position, tokens in ((0, 5), (5, 3)):  # step ends at 5 and 8: states kept there only
+                x = torch.randn(1, tokens, 64)
+                await servicer._chained_step(source, step_message(position + 1, position, x))
+            before = (table.reserved, blocks.pool.reserved)
+            with pytest.raises(BadRequest, match="recurrent state is kept only at"):
+                await servicer._fork(messages.Open("m", 0, 6, 256, 1, fork=source.id, fork_length=6), "c")
+            return before
+
+        before = asyncio.run(main())
+    assert (table.reserved, blocks.pool.reserved) == before and len(table.sessions) == 1
