@@ -15,7 +15,7 @@ Invariants:
   cannot leave costs one relayed hop, never a failover. A peer that cannot be reached is not tried
   again for `RETRY_S`.
 - A push is authorized by the session id (96 random bits, known to the client and to the peers before
-  that hop in its route), and only for the session's next step: see `Servicer._pushed`.
+  that hop in its route), and only for the session's next step: see `peer.pushed`.
 """
 
 from __future__ import annotations

@@ -229,9 +229,7 @@ class Peer:
         p = self.precision
         blocks = SpanBlocks(self.ckpt, span, p.dtype, p.device, reuse=reuse, quant=p.quant)
         blocks.size_pool(self.config.cache_tokens)  # the sessions' cache: blocks allocated as they are written
-        logger.info("blocks %s keep %d bytes of keys and values per token (%s, blocks of %d tokens)", span,
-                    blocks.kv_layout.token_bytes, "mapped" if blocks.pool.mapped else "in tensors",
-                    blocks.pool.block_tokens)
+        logger.info("blocks %s: %d bytes of cache per token", span, blocks.kv_layout.token_bytes)
         return blocks
 
     def figures(self) -> Figures:

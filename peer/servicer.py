@@ -20,21 +20,20 @@ from peer.compute import Compute, chunk_tokens
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.push import Pusher
+from peer.pushed import PushedSteps
 from peer.runtime import Batch, ClientSlots, Runtime
 from peer.sessions import ServedSession, SessionTable
 from swarm.net import messages, wire
+from swarm.model import kv
 from swarm.model.blocks import SpanBlocks
 from swarm.errors import BadRequest, Busy, NotServing, ProtocolError, SwarmError, UnknownSession
-from swarm.net.integrity import input_digest, tag_ok
+from swarm.net.integrity import input_digest
 from swarm.model.precision import Precision
 from swarm.span import Span
 from swarm.net.transport import Stream, describe_peer
 
 logger = logging.getLogger(__name__)
 
-PUSH_STEP_WINDOW = 256  # a pushed step id may be at most this far past the session's last (ids skipped by relays)
-MAX_PUSHES_PER_SESSION = 2  # pushed steps of one session in progress at once; more are dropped
-MAX_PUSH_TASKS_PER_SESSION = 2  # ... and of all sessions, per allowed session
 
 
 def check_chain(chain: tuple[messages.ChainHop, ...] | None, own_id: str) -> tuple[messages.ChainHop, ...] | None:
@@ -71,8 +70,7 @@ class Servicer:
         self.hidden_size = blocks.hidden_size  # the model's: the same whatever span is served, also mid-move
         self.errors: dict[str, int] = {}
         self.pusher: Pusher | None = None  # set by the server once its node runs
-        self.pushes = {"received": 0, "dropped": 0, "stale": 0, "rejected": 0, "forged": 0}
-        self._tasks: set[asyncio.Task] = set()  # pushed steps in progress
+        self.pushed = PushedSteps(self)  # steps the previous peer of a client's route pushes here
         self.capacity = None  # peer.capacity.Capacity, set by the server: follows the real decode steps
         self.moves = 0  # spans this peer moved to since it started
         self.moving = False  # loading a new span after dropping the old one: nothing new is accepted
@@ -269,91 +267,10 @@ class Servicer:
                              rest or None)
         return await self.pusher.push(first.peer, push.to_message())
 
-    # ---- push protocol: steps from the previous peer of a client's route ----
+    # ---- push protocol: steps from the previous peer of a client's route (`peer.pushed`) ----
 
     async def serve_push(self, stream: Stream) -> None:
-        """Read pushed steps and run each in its own task (so they can batch); nothing is answered here:
-        each result goes to its session's client, on the session's stream. A stream holds at most
-        `max_sessions` pushed steps in compute; one waiting for its client to read holds none."""
-        slots = asyncio.Semaphore(self.config.max_sessions)
-        while True:
-            try:
-                msg = await self._receive(stream, self.config.idle_timeout)
-            except (EOFError, asyncio.TimeoutError):
-                return
-            except ProtocolError as e:
-                self._count(e)
-                return
-            if msg.type != wire.PUSH:
-                self._count(BadRequest())
-                logger.info("peer %s sent %r on the push protocol: stream closed", describe_peer(stream.remote),
-                            msg.type)
-                return
-            try:
-                push = messages.Push.from_message(msg)
-            except BadRequest as e:
-                self._count(e)
-                self.pushes["rejected"] += 1
-                logger.info("peer %s pushed a malformed step: %s", describe_peer(stream.remote), e)
-                continue
-            session = self._pushable(push, stream.remote)
-            if session is None:
-                continue
-            await slots.acquire()
-            session.pushes += 1
-            task = asyncio.create_task(self._pushed(session, push.as_step(), slots))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    def _pushable(self, push: messages.Push, sender: str) -> ServedSession | None:
-        """The session a pushed step may run in, or None (counted) if it must be dropped: the session is not
-        open here, the tag is not the one the client made for this step from `sender` (the pushing stream's
-        authenticated peer: any other peer's push is a forgery), the step is not the session's next one (an
-        old id, an id far ahead, a position other than the end of what the session has run: a late duplicate
-        or a forgery), or too many pushed steps wait."""
-        sid, step, position = push.session, push.step, push.position
-        session = self.sessions.sessions.get(sid)
-        if session is None or session.closed or session.send is None:
-            self.pushes["dropped"] += 1  # closed or reclaimed: the client's deadline makes it relay
-            return None
-        if not tag_ok(session.push_key, sid, step, sender, push.tag):
-            self.pushes["forged"] += 1
-            logger.info("peer %s pushed step %d of session %s with a wrong tag: dropped", describe_peer(sender), step,
-                        sid)
-            return None
-        if not session.last_step < step <= session.last_step + PUSH_STEP_WINDOW or position != session.end:
-            self.pushes["stale"] += 1  # the client has already sent a later step itself, or a forgery
-            return None
-        if session.pushes >= MAX_PUSHES_PER_SESSION or len(self._tasks) >= MAX_PUSH_TASKS_PER_SESSION * \
-                self.config.max_sessions:
-            self.pushes["dropped"] += 1
-            return None
-        return session
-
-    async def _pushed(self, session: ServedSession, msg: messages.Step, slots: asyncio.Semaphore) -> None:
-        received = time.perf_counter()
-        step = msg.step
-        self.pushes["received"] += 1
-        try:
-            try:
-                reply = await self._chained_step(session, msg)
-            except BadRequest as e:  # the pushing peer's fault, not the client's: drop it, the client relays
-                self._count(e)
-                self.pushes["rejected"] += 1
-                logger.info("pushed step %d of session %s refused: %s", step, session.id, e)
-                return
-            except SwarmError as e:
-                self._count(e)
-                reply = messages.Error.of(e, step).to_message()
-            except Exception as e:  # boundary: a bug in one pushed step is reported to its client
-                logger.exception("pushed step of session %s failed", session.id)
-                self._count(SwarmError())
-                reply = messages.Error.of(SwarmError(f"internal error: {type(e).__name__}"), step).to_message()
-        finally:
-            slots.release()  # compute is done: a client slow to read holds no slot of the push stream
-            session.pushes -= 1
-        if await session.send(reply) and reply.type == wire.OUTPUT:
-            self.metrics.step_replied(time.perf_counter() - received)
+        await self.pushed.serve(stream)
 
     def _check_request(self, request: messages.Open) -> Span:
         span = self._check_target(request.model, request.start, request.end, request.digest)
@@ -484,18 +401,12 @@ class Servicer:
             self.served.throughput, self.served.prefill_tps,
             None if self.capacity is None else round(self.capacity.decode_ms, 4), len(self.sessions_on(None)),
             self.moves, dict(self.errors), wire.traffic(),
-            {**self.pushes, **(self.pusher.stats() if self.pusher is not None else {})})
+            {**self.pushed.counts, **(self.pusher.stats() if self.pusher is not None else {})})
 
     def cache_memory(self) -> dict[str, int]:
-        """The memory of the cache pools of the blocks sessions run on (`swarm.model.kv.Pool.memory`), summed."""
-        pools = {id(s.rows.pool): s.rows.pool for s in self.sessions.sessions.values() if s.rows is not None}
-        if self.blocks is not None:
-            pools.setdefault(id(self.blocks.pool), self.blocks.pool)
-        total = {"bytes": 0, "blocks": 0, "shared": 0, "token_bytes": 0}
-        for pool in pools.values():
-            for key, value in pool.memory().items():
-                total[key] = max(total[key], value) if key == "token_bytes" else total[key] + value
-        return total
+        """The memory of the cache pools the active blocks and the open sessions use (`swarm.model.kv.memory`)."""
+        pools = [s.rows.pool for s in self.sessions.sessions.values() if s.rows is not None]
+        return kv.memory(pools + ([self.blocks.pool] if self.blocks is not None else []))
 
     async def serve_info(self, stream: Stream) -> None:
         async def handle(msg: wire.Message) -> wire.Message:
