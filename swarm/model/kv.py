@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import mmap
 import os
@@ -73,7 +74,7 @@ class KVLayout:
             offset += kh * kd + vh * vd
         return cls(tuple(parts), dtype, torch.device(device))
 
-    @property
+    @functools.cached_property
     def token_elements(self) -> int:
         return sum(p.key_heads * p.key_dim + p.value_heads * p.value_dim for p in self.parts)
 

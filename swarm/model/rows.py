@@ -235,18 +235,19 @@ class Rows:
         raise NotImplementedError
 
     def keys(self, part, length: int) -> torch.Tensor:
-        return self._view(part.key_offset, part.key_heads, part.key_dim, length)
+        return self._view(part.key_offset, part.key_heads, part.key_dim, 0, length)
 
     def values(self, part, length: int) -> torch.Tensor:
-        return self._view(part.value_offset, part.value_heads, part.value_dim, length)
+        return self._view(part.value_offset, part.value_heads, part.value_dim, 0, length)
 
     def write(self, part, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keys and values [rows, heads, n, dim] of tokens [start, start + n) (prepared)."""
-        end = start + keys.shape[-2]
-        self.keys(part, end)[:, :, start:] = keys
-        self.values(part, end)[:, :, start:] = values
+        n = keys.shape[-2]
+        self._view(part.key_offset, part.key_heads, part.key_dim, start, n).copy_(keys)
+        self._view(part.value_offset, part.value_heads, part.value_dim, start, n).copy_(values)
 
-    def _view(self, offset: int, heads: int, dim: int, length: int) -> torch.Tensor:
+    def _view(self, offset: int, heads: int, dim: int, start: int, length: int) -> torch.Tensor:
+        """Tokens [start, start + length) of the part at `offset` of every row: `[rows, heads, length, dim]`."""
         raise NotImplementedError
 
     def fork(self, length: int, capacity: int, credits: int = 0) -> Rows:
@@ -273,6 +274,7 @@ class MappedRows(Rows):
         buffer = type("Range", (ctypes.c_char * size,), {}).from_address(self.address)
         weakref.finalize(buffer, c.munmap, self.address, size)  # once no view of it is left
         self.flat = torch.frombuffer(buffer, dtype=pool.layout.dtype)  # reserved only: mapped block by block
+        self.token, self.row_elements = pool.layout.token_elements, self.row_bytes // self.flat.element_size()
 
     def _place(self, row: int, index: int, copy_of: int | None) -> None:
         pool, block = self.pool, self.tables[row][index]
@@ -285,10 +287,10 @@ class MappedRows(Rows):
         _check_map(_c().mmap(at, pool.block_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
                              pool.fd, block * pool.block_bytes), "a block")
 
-    def _view(self, offset: int, heads: int, dim: int, length: int) -> torch.Tensor:
-        token = self.pool.layout.token_elements
-        return self.flat.as_strided((self.rows, heads, length, dim), (self.row_bytes // self.flat.element_size(),
-                                                                      dim, token, 1), offset)
+    def _view(self, offset: int, heads: int, dim: int, start: int, length: int) -> torch.Tensor:
+        token = self.token
+        return self.flat.as_strided((self.rows, heads, length, dim), (self.row_elements, dim, token, 1),
+                                    offset + start * token)
 
     def fork(self, length: int, capacity: int, credits: int = 0) -> MappedRows:
         new = MappedRows(self.pool, self.rows, capacity)
@@ -344,13 +346,13 @@ class TensorRows(Rows):
     def _place(self, row: int, index: int, copy_of: int | None) -> None:
         pass  # the tensor holds the memory; blocks only count it
 
-    def _view(self, offset: int, heads: int, dim: int, length: int) -> torch.Tensor:
+    def _view(self, offset: int, heads: int, dim: int, start: int, length: int) -> torch.Tensor:
         if self.data is None:
             layout = self.pool.layout
             return torch.empty(self.rows, heads, 0, dim, dtype=layout.dtype, device=layout.device)
         token = self.data.shape[2]
         return self.data.as_strided((self.rows, heads, length, dim), (self.data.shape[1] * token, dim, token, 1),
-                                    self.data.storage_offset() + offset)
+                                    self.data.storage_offset() + offset + start * token)
 
     def fork(self, length: int, capacity: int, credits: int = 0) -> TensorRows:
         new = TensorRows(self.pool, self.rows, capacity)
