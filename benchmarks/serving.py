@@ -171,6 +171,18 @@ def scrape(url: str) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
+async def settled(url: str, timeout: float = 30.0) -> float:
+    """The peer's cache memory once it stops changing (closed sessions' blocks are freed between its turns)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        now = scrape(url)["swarm_peer_cache_bytes"]
+        if now == last:
+            return now
+        last = now
+        await asyncio.sleep(1.0)
+    raise RuntimeError(f"the peer's cache memory did not settle in {timeout:.0f} s")
+
+
 def memory(net: LocalSwarm, model_id: str, hidden_size: int, prompt: int, forks: int) -> dict:
     proc = net.procs["peer0"]
     url = net.metrics_url(proc)
@@ -178,7 +190,7 @@ def memory(net: LocalSwarm, model_id: str, hidden_size: int, prompt: int, forks:
 
     async def main() -> dict:
         async with Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True) as node:
-            base = scrape(url)["swarm_peer_cache_bytes"]
+            base = await settled(url)  # what the sections before left is given back while the peer idles
             source = await PeerSession.open(node, proc.peer_id, model_id, span, max_length=prompt + 64)
             opened = [source]
             try:

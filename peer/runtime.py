@@ -18,11 +18,12 @@ peer computes whichever steps are there) rather than moving as one block while t
 session's next step is often due a few milliseconds after its last result went out (its client turns it
 around, or the previous peer pushes the outputs of its own batch one after another), and a turn that started
 at the first of them would split the batch for good. So the runtime measures, per session, how long after its
-result its next step comes (`gap`), and the worker holding fewer steps of a key than the last batch of that
-key had waits for those of its sessions whose next steps are due within `COMPANY_SOON` (0.01 s), no longer,
-and never while other work is queued. Sessions due later (elsewhere on their route) are not waited for.
-While every core of the machine has other work (`swarm.machine.cores_busy`: peers sharing a machine), it
-waits for all of them, `company_wait` at most: the time it waits is computed by others, and a larger batch
+result its next step comes (`gap`), and the worker about to run a batch waits for the sessions of its key whose
+results went out and whose next steps are due within `COMPANY_SOON` (0.01 s; a session not measured yet is due
+at once, one long overdue is not waited for), no longer, and never while other work is queued. Sessions due
+later (elsewhere on their route) are not waited for. While every core of the machine has other work
+(`swarm.machine.cores_busy`: peers sharing a machine), it waits for all the sessions of the key's last batch,
+`company_wait` at most: the time it waits is computed by others, and a larger batch
 costs less per token. Measured on the demo model, 8 users through 3 peers on 2 cores: 1.7 steps per forward
 without waiting, 3.4 with it, 35 and 45 tokens/s; 8 sessions on one peer: 4.8 steps per forward without, 7.4
 with it.
@@ -152,7 +153,7 @@ class Runtime:
         self._used: dict[Hashable, float] = {}  # per client: seconds of compute, counted as the docstring says
         self._served = 0.0  # the figure of the client whose job the worker took last
         self._last: dict[Hashable, frozenset] = {}  # per key: the owners its last call ran
-        self._settled: dict[Hashable, float] = {}  # per owner: when its last batched job's result went out
+        self._settled: dict[Hashable, tuple] = {}  # per owner: when its last batched job's result went out, its key
         self._gap: dict[Hashable, float] = {}  # per owner: how long after that its next job comes (a moving mean)
 
     def __enter__(self) -> Runtime:
@@ -181,7 +182,7 @@ class Runtime:
             if len(self._jobs) >= self.max_queue:
                 raise Busy(f"compute queue is full ({self.max_queue} steps waiting); try another peer")
             if batch is not None and batch.key is not None and batch.owner in self._settled:
-                gap = time.monotonic() - self._settled.pop(batch.owner)
+                gap = time.monotonic() - self._settled.pop(batch.owner)[0]
                 last = self._gap.get(batch.owner, gap)
                 self._gap[batch.owner] = last + GAP_WEIGHT * (gap - last)
             if not any(job.client == client for job in self._jobs):
@@ -256,11 +257,10 @@ class Runtime:
                 del self._used[client]
 
     def _await_company(self, head: _Job, key: Hashable) -> None:
-        """Wait (lock held, released while waiting) for the sessions of the key's last call whose next steps are due
-        soon, or while every core is busy for all of them, `company_wait` at most; never while other work is
-        queued (module docstring)."""
-        owners = self._last.get(key, frozenset())
-        if len(owners) < 2 or self.company_wait <= 0:
+        """Wait (lock held, released while waiting) for the sessions of `key` whose results went out and whose next
+        steps are due within `COMPANY_SOON` (or, while every core is busy, for the last call's sessions,
+        `company_wait` at most); never while other work is queued (module docstring)."""
+        if self.company_wait <= 0:
             return
         start = time.monotonic()
         while not self._stopping:
@@ -270,17 +270,18 @@ class Runtime:
                     return  # other work is waiting: never hold it back
                 here.add(job.batch.owner)
             now = time.monotonic()
-            missing = owners - here
-            if not missing or now - start >= self.company_wait:
+            if now - start >= self.company_wait:
                 return
-            if not self.cores_busy():  # only those already on their way
-                due = [self._settled[o] + self._gap[o] for o in missing if o in self._settled and o in self._gap]
-                soon = [d for d in due if d - now <= COMPANY_SOON]
-                if not soon or now - start >= COMPANY_SOON:
-                    return
-                self._ready.wait(max(0.0, min(max(soon) - now + COMPANY_CHECK, start + COMPANY_SOON - now)))
+            if self.cores_busy() and self._last.get(key, frozenset()) - here:
+                self._ready.wait(COMPANY_CHECK)
                 continue
-            self._ready.wait(COMPANY_CHECK)
+            # only those already on their way: due soon (a session not measured yet is due at once), not overdue
+            due = [settled + self._gap.get(owner, 0.0) for owner, (settled, k) in self._settled.items()
+                   if k == key and owner not in here]
+            soon = [d for d in due if -COMPANY_SOON <= d - now <= COMPANY_SOON]
+            if not soon or now - start >= COMPANY_SOON:
+                return
+            self._ready.wait(max(0.0, min(max(soon) - now + COMPANY_CHECK, start + COMPANY_SOON - now)))
 
     def _gather(self, head: _Job, key: Hashable) -> list[_Job]:
         taken, owners, rows, kept = [head], {head.batch.owner}, head.batch.rows, deque()
@@ -338,11 +339,11 @@ class Runtime:
                 settled = time.monotonic()
                 with self._ready:
                     for job in jobs:
-                        self._settled[job.batch.owner] = settled
-                    if len(self._gap) > MAX_FOLLOWED:  # sessions that left: forget the first half followed
-                        for owner in list(self._gap)[:len(self._gap) // 2]:
-                            del self._gap[owner]
-                            self._settled.pop(owner, None)
+                        self._settled[job.batch.owner] = (settled, job.batch.key)
+                    for figures in (self._settled, self._gap):  # sessions that left: the first half followed goes
+                        if len(figures) > MAX_FOLLOWED:
+                            for owner in list(figures)[:len(figures) // 2]:
+                                del figures[owner]
             for job, (result, error) in zip(jobs, outcomes):
                 if error is not None:
                     _settle_error(job, error)

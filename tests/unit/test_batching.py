@@ -292,3 +292,26 @@ def test_a_long_steps_chunks_make_way_for_the_other_sessions_steps():
                               batchable(rt, rec, "b", "b"), plain(rt, rec, "c")]))
     # the decode steps of other sessions (and the plain job) before the chunks; the chunks keep their order
     assert rec.log == [("batch", "a", "b"), ("alone", "c"), ("alone", "p1"), ("alone", "p2")]
+
+
+def test_a_batch_waits_only_for_the_sessions_whose_next_steps_are_due_within_milliseconds():
+    """Each session's gap (from its result to its next step) is measured; a turn waits for the sessions of the
+    last batch due within `COMPANY_SOON`, not for those due later."""
+    from peer.runtime import COMPANY_SOON
+
+    async def rounds(rt, rec, lag: float, n: int):
+        await held(rt, [batchable(rt, rec, "a", "a"), batchable(rt, rec, "b", "b")])  # they start together
+
+        async def session(owner, delay):
+            for i in range(n):
+                await asyncio.sleep(delay)  # the client's turnaround: none for a, `lag` for b
+                await batchable(rt, rec, f"{owner}{i}", owner)()
+
+        await asyncio.gather(session("a", 0.0), session("b", lag))
+
+    for lag, together in ((COMPANY_SOON / 3, True), (COMPANY_SOON * 20, False)):
+        rec = Recorder(delay=0.01)
+        with Runtime(cores_busy=lambda: False) as rt:
+            asyncio.run(rounds(rt, rec, lag, 6))
+        shared = sum(1 for entry in rec.log[2:] if entry[0] == "batch")  # after the gaps were first measured
+        assert (shared >= 4) if together else (shared == 0), (lag, rec.log)
