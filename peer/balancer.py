@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PINGS = 8  # sole servers pinged per read at most
 QUIET_SLOWDOWN = 8  # a swarm that reads the same every time is read this many check intervals apart at most
+LOST_RETRY_S = 0.25  # a peer that cannot be reached is tried once more after this long before it counts as gone
 SILENT_PINGS = 3  # pings in a row a peer may leave unanswered (busy, or frozen) before its blocks count as unserved
 EMA_ALPHA = 0.3
 
@@ -99,8 +100,8 @@ class SwarmView:
         return served
 
     async def _ping(self, peers: list[str], newest: dict[str, int]) -> dict[str, tuple[int, int] | None]:
-        """Asks each of `peers` what it serves. One that cannot be reached is gone at once (killed: nothing
-        listens); one that stays silent (busy under a CPU quota, or frozen) only after `SILENT_PINGS` pings
+        """Asks each of `peers` what it serves. One that cannot be reached twice, `LOST_RETRY_S` apart, is gone
+        at once (killed: nothing listens; one failed dial under load is not enough); one that stays silent (busy under a CPU quota, or frozen) only after `SILENT_PINGS` pings
         in a row. Returns the blocks [start, end) each peer that answered says it serves (None if it
         answered with an error)."""
         answers = await asyncio.gather(*(self._serving(p) for p in peers))
@@ -128,8 +129,15 @@ class SwarmView:
 
     async def _serving(self, peer: str) -> tuple[int, int] | None | str:
         """The blocks [start, end) `peer` says it serves now ((0, 0) if its answer makes no sense, None if it
-        answered with an error); "lost" if it cannot be reached, "silent" if no answer came within
+        answered with an error); "lost" if it cannot be reached twice, "silent" if no answer came within
         `ping_timeout`."""
+        answer = await self._ask(peer)
+        if answer == "lost":
+            await asyncio.sleep(LOST_RETRY_S)
+            answer = await self._ask(peer)
+        return answer
+
+    async def _ask(self, peer: str) -> tuple[int, int] | None | str:
         try:
             info = await asyncio.wait_for(calls.info(self.node, peer, timeout=self.ping_timeout), self.ping_timeout)
         except (asyncio.TimeoutError, StepTimeout):

@@ -417,6 +417,11 @@ class Peer:
         decision = self._decide(served)
         if decision is None:
             return
+        # decided again on a fresh read: one lookup that missed a record (a DHT query timed out under load)
+        # must not make a settled peer claim blocks it would give back a second later
+        decision = self._decide(await self.view.read())
+        if decision is None:
+            return
         decision = await self._fetch_for(decision)
         if decision is None:
             return

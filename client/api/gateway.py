@@ -136,7 +136,8 @@ class Gateway:
         try:
             response = await handler(request)
         except Exception:
-            if request.get(STREAMING):  # the response has started: nothing else can be sent on it
+            if request.get(STREAMING):  # the response has started: nothing else can be sent on it, and its
+                self.metrics.requests.labels(endpoint, "200").inc()  # status went out with its head
                 raise
             response = self._error_response(request)
         if not response.prepared:
@@ -417,7 +418,7 @@ class Gateway:
             logger.exception("%s failed during its stream", request.path)
             await writer.send(ApiError(500, "internal error", type="server_error", code="internal").body())
         await writer.send_raw(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await writer.end()
         return response
 
 

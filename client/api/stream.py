@@ -111,6 +111,14 @@ class Writer:
             raise ClientGone("it stopped reading" if isinstance(e, asyncio.TimeoutError) else "connection lost") \
                 from None
 
+    async def end(self) -> None:
+        """The stream's end; a client that closed the connection once it read the last event lost nothing."""
+        try:
+            await asyncio.wait_for(self.response.write_eof(), self.timeout)
+        except (asyncio.TimeoutError, ConnectionError):
+            if self.request.transport is not None:
+                self.request.transport.abort()
+
 
 def api_error(err: SwarmError, retry_after: int) -> ApiError:
     """The answer to a generation's failure."""

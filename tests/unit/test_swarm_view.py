@@ -30,6 +30,7 @@ class Swarm:
 
     def __init__(self, monkeypatch, *records: Announcement):
         self.records, self.down, self.silent, self.reads, self.pinged = list(records), set(), set(), 0, []
+        self.flaky: dict[str, int] = {}  # peer -> info calls that still fail to reach it
         monkeypatch.setattr(balancer.discovery, "announcements", self._announcements)
         monkeypatch.setattr(balancer.calls, "info", self._info)
 
@@ -43,7 +44,8 @@ class Swarm:
 
     async def _info(self, node, peer, timeout):
         self.pinged.append(peer)
-        if peer in self.down:
+        if peer in self.down or self.flaky.get(peer, 0) > 0:
+            self.flaky[peer] = self.flaky.get(peer, 0) - 1
             raise ConnectionLost(f"{peer} is down")
         if peer in self.silent:
             raise StepTimeout(f"{peer} sent no reply")
@@ -127,6 +129,16 @@ def test_a_silent_sole_server_is_gone_only_after_several_pings_a_lost_one_at_onc
     swarm.silent.clear()
     swarm.down.add("a")  # killed: nothing listens
     assert spans(asyncio.run(v.check())) == {}
+
+
+def test_one_failed_dial_is_tried_again_before_the_peer_counts_as_gone(monkeypatch):
+    monkeypatch.setattr(balancer, "LOST_RETRY_S", 0.0)
+    swarm, v = Swarm(monkeypatch, ann("a", 0, 3), ann("b", 3, 6)), view()
+    asyncio.run(v.read())
+    swarm.flaky["b"] = 1  # one dial fails (the daemon busy), the next one answers
+    assert spans(asyncio.run(v.check())) == {"a": Span(0, 3), "b": Span(3, 6)}
+    swarm.flaky["b"] = 2  # both fail: nothing listens
+    assert spans(asyncio.run(v.check())) == {"a": Span(0, 3)}
 
 
 def test_an_answer_resets_the_silence(monkeypatch):
