@@ -7,6 +7,7 @@ decoded from their wire encoding and moved there, outputs come back encoded in t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,12 +19,15 @@ from swarm.errors import BadRequest, UnknownSession
 from swarm.model.precision import Precision
 from swarm.span import Span
 
-# A step of more tokens than this runs as jobs of at most this many (`Prefill`), so that other sessions' decode
-# steps run between them: a long prompt delays them by one chunk at most, not by its whole prefill. The
-# servicer sizes chunks by the peer's measured prefill speed (`chunk_tokens`); this is the size without one.
-PREFILL_CHUNK = 128
-PREFILL_TURN_S = 0.02  # seconds of compute a chunk takes at most, by the measured prefill speed ...
-MIN_CHUNK = 32  # ... but never fewer tokens than this (each chunk reads every weight once)
+# A step of many tokens runs as jobs of one chunk each (`Prefill`), so that other sessions' decode steps run
+# between them: a long prompt delays them by one chunk at most, not by its whole prefill. Each chunk is sized
+# when it runs, by the peer's measured prefill speed (`chunk_tokens`): small while other sessions decode here
+# (a decode step waits for one chunk at most), large while none does (a chunk reads every weight once: on the
+# demo model's 10 blocks, one CPU thread, 1,024 tokens took 1.77 s in chunks of 16, 1.33 s in 32, 0.98 s in 128).
+PREFILL_CHUNK = 128  # tokens of a chunk while no other session decodes (at least), or without a measurement
+PREFILL_TURN_S = 0.02  # seconds of compute a chunk takes at most while other sessions decode here ...
+MIN_CHUNK = 32  # ... but never fewer tokens than this
+PREFILL_SOLO_S = 0.15  # seconds of compute of a chunk while none does (a session that comes waits this long once)
 # A stateless forward runs as jobs of at most this many token-rows x blocks each (one row and one block at
 # least), so other clients' steps run between them: 0.35 s of one demo-model CPU thread, where an 18.9 MB
 # forward through 10 demo blocks takes 14 s whole. Rows and blocks see the same inputs either way (on the
@@ -31,12 +35,15 @@ MIN_CHUNK = 32  # ... but never fewer tokens than this (each chunk reads every w
 FORWARD_JOB_TOKENS = 2048
 
 
-def chunk_tokens(prefill_tps: float | None) -> int:
-    """Tokens of one prefill chunk: `PREFILL_TURN_S` of compute at `prefill_tps` tokens/s through the span (a
-    multiple of 16, at least `MIN_CHUNK`); `PREFILL_CHUNK` without a measurement."""
+def chunk_tokens(prefill_tps: float | None, company: bool) -> int:
+    """Tokens of the next prefill chunk (a multiple of 16): `PREFILL_TURN_S` of compute at `prefill_tps` tokens/s
+    through the span, `MIN_CHUNK` at least, while other sessions decode here (`company`); else `PREFILL_SOLO_S`
+    of it, `PREFILL_CHUNK` at least."""
     if not prefill_tps or prefill_tps <= 0:
-        return PREFILL_CHUNK
-    return max(MIN_CHUNK, int(PREFILL_TURN_S * prefill_tps) // 16 * 16)
+        return 2 * MIN_CHUNK if company else PREFILL_CHUNK
+    if company:
+        return max(MIN_CHUNK, int(PREFILL_TURN_S * prefill_tps) // 16 * 16)
+    return max(PREFILL_CHUNK, int(PREFILL_SOLO_S * prefill_tps) // 16 * 16)
 
 
 def decode_inputs(hidden: messages.Hidden, mask: wire.Blob | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -99,8 +106,8 @@ class Compute:
         if session.closed:  # closed meanwhile: what the fork holds goes back too
             session.rows.release(later=True)
 
-    def prefill(self, session: ServedSession, step: messages.Step, chunk: int) -> Prefill:
-        """A step of many tokens as jobs of at most `chunk` tokens each (`Prefill`)."""
+    def prefill(self, session: ServedSession, step: messages.Step, chunk: Callable[[], int]) -> Prefill:
+        """A step of many tokens as jobs of `chunk()` tokens each, sized as each runs (`Prefill`)."""
         return Prefill(self, session, step, chunk)
 
     def batch(self, items: list[tuple[ServedSession, messages.Step]]) -> list[Any]:
@@ -198,30 +205,31 @@ class Forward:
 
 
 class Prefill:
-    """A step of many tokens run as parts of at most `chunk` tokens, each by `run(i)` as one job of the compute
-    thread, in order; the last returns what `Compute.step` returns for the whole step. The session's cache
-    advances part by part: a part that fails leaves it at the end of the parts before it (the client's next
-    step at the step's position rolls it back)."""
+    """A step of many tokens run as parts, each by `run()` as one job of the compute thread, in order, of `chunk()`
+    tokens (called as the part runs: the peer's load decides); the last returns what `Compute.step` returns for
+    the whole step, the others None. The session's cache advances part by part: a part that fails leaves it at
+    the end of the parts before it (the client's next step at the step's position rolls it back)."""
 
-    def __init__(self, compute: Compute, session: ServedSession, step: messages.Step, chunk: int):
-        self.compute, self.session, self.step = compute, session, step
-        tokens = step.hidden.shape[1]
-        self.parts = [(a, min(a + chunk, tokens)) for a in range(0, tokens, chunk)]
+    def __init__(self, compute: Compute, session: ServedSession, step: messages.Step, chunk: Callable[[], int]):
+        self.compute, self.session, self.step, self.chunk = compute, session, step, chunk
+        self.tokens, self.done = step.hidden.shape[1], 0
         self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.outs: list[torch.Tensor] = []
         self.ms = 0.0
 
-    def run(self, i: int) -> tuple[messages.Hidden, float, int, int] | None:
+    def run(self) -> tuple[messages.Hidden, float, int, int] | None:
         session, step = self.session, self.step
         cache, blocks = session.cache, session.blocks  # read once: the event loop drops them if it closes
         self.compute._check_open(session)
         if self.inputs is None:
             self.inputs = decode_inputs(step.hidden, step.mask)
-        (x, mask), (a, b) = self.inputs, self.parts[i]
+        (x, mask), a = self.inputs, self.done
+        b = min(self.tokens, a + max(1, self.chunk()))
         started = time.perf_counter()
         self.outs.append(blocks(x[:, a:b], cache, step.position + a,
                                 None if mask is None else mask[:, :step.position + b]))
         self.ms += (time.perf_counter() - started) * 1e3
-        if i < len(self.parts) - 1:
+        self.done = b
+        if b < self.tokens:
             return None
         return messages.Hidden.encode(torch.cat(self.outs, dim=1), step.hidden.encoding), self.ms, cache.length, 1

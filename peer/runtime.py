@@ -72,6 +72,7 @@ MAX_BATCH_ROWS = 64
 COMPANY_WAIT = 0.05
 COMPANY_CHECK = 0.001  # seconds between looks at the cores while it waits (a step queued ends the look at once)
 COMPANY_SOON = 0.01  # a session's next step due within this many seconds is waited for (docstring), no later
+DECODING_S = 0.5  # a session whose last one-token step ended this recently counts as decoding (`decoding`)
 GAP_WEIGHT = 0.5  # weight of the last measured gap in a session's figure
 MAX_FOLLOWED = 4096  # sessions whose gaps are followed at most (the least recent half is forgotten beyond)
 IDLE_TICK = 0.5  # seconds between calls of `between` while the worker has nothing to do
@@ -165,6 +166,15 @@ class Runtime:
             self._stopping = True  # the jobs already queued still run
             self._ready.notify()
         self._thread.join(timeout=30)
+
+    def decoding(self, besides: Hashable = None, within: float = DECODING_S) -> bool:
+        """Whether a session other than `besides` decodes here: a batchable step of it is queued, or its last
+        one ended within `within` seconds (its next is probably on its way)."""
+        now = time.monotonic()
+        with self._ready:
+            return any(job.batch is not None and job.batch.key is not None and job.batch.owner != besides
+                       for job in self._jobs) or \
+                any(owner != besides and now - settled <= within for owner, (settled, _) in self._settled.items())
 
     @property
     def queued(self) -> int:

@@ -336,11 +336,11 @@ class Servicer:
         # one in chunks with other sessions' steps between them
         key = (id(session.blocks), session.span, step.hidden.encoding) if tokens == 1 else None
         # recurrent blocks keep a snapshot per step end: their prompts run whole, not one snapshot per chunk
-        chunk = tokens if session.blocks.recurrent else chunk_tokens(self.served.prefill_tps)
+        chunk = tokens if session.blocks.recurrent else chunk_tokens(self.served.prefill_tps, company=True)
         session.inflight += 1
         try:
             if tokens > chunk:
-                out, compute_ms, length, shared = await self._prefill(session, step, chunk)
+                out, compute_ms, length, shared = await self._prefill(session, step)
             else:
                 out, compute_ms, length, shared = await self.runtime.run(
                     self.compute.step, session, step, timeout=self.config.step_timeout,
@@ -355,13 +355,19 @@ class Servicer:
         return messages.Output(out, compute_ms, step.step, step.position, length,
                                input=input_digest(step.position, step.hidden, step.mask))
 
-    async def _prefill(self, session: ServedSession, step: messages.Step, chunk: int):
+    async def _prefill(self, session: ServedSession, step: messages.Step):
         """A long step as one compute job per chunk (`Compute.prefill`), in the session's fair turn, within one step
-        timeout in all."""
+        timeout in all; small chunks while other sessions decode here, large ones while none does."""
+        def chunk() -> int:
+            return chunk_tokens(self.served.prefill_tps, company=self.runtime.decoding(besides=session.id))
+
         job, deadline = self.compute.prefill(session, step, chunk), time.monotonic() + self.config.step_timeout
-        for part in range(len(job.parts)):
-            result = await self.runtime.run(job.run, part, timeout=max(0.0, deadline - time.monotonic()),
+        result = None
+        for _ in range(job.tokens):  # a part runs one token at least
+            result = await self.runtime.run(job.run, timeout=max(0.0, deadline - time.monotonic()),
                                             batch=Batch(None, None, session.id, later=True), client=session.client)
+            if result is not None:
+                break
         return result
 
     # ---- stateless forward ----

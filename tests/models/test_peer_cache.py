@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.compute import MIN_CHUNK, chunk_tokens
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
 from peer.runtime import Runtime
@@ -229,3 +230,34 @@ def test_a_fork_that_fails_gives_back_what_was_committed_for_it(tmp_path):
 
         before = asyncio.run(main())
     assert (table.reserved, blocks.pool.reserved) == before and len(table.sessions) == 1
+
+
+def test_a_long_step_runs_in_small_chunks_while_others_decode_and_gives_the_output_of_one_forward(llama):
+    """A 100-token step: one job while no other session decodes on the peer, chunks of `MIN_CHUNK` while one
+    does (its steps run between them); the outputs and the cache are those of the step run whole."""
+    peer = Peer(llama, cache_tokens=4096)
+    peer.servicer.served.prefill_tps = 1600.0  # 32 tokens in 0.02 s while others decode, 240 in 0.15 s alone
+    assert (chunk_tokens(1600.0, company=True), chunk_tokens(1600.0, company=False)) == (MIN_CHUNK, 240)
+    x = torch.randn(1, 100, HIDDEN, generator=torch.Generator().manual_seed(1))
+    whole_cache = peer.blocks.new_cache(1, 256)
+    with torch.inference_mode():
+        whole = peer.blocks(x, whole_cache, 0)
+
+    async def main():
+        jobs = []
+        for company in (False, True):
+            decoder, session = peer.open(), peer.open()
+            await peer.step(decoder, 0, 4)
+            if company:
+                await peer.step(decoder, 4, 1)  # a one-token step: the decoder counts as decoding for a while
+            assert peer.runtime.decoding(besides=session.id) == company
+            before = peer.runtime.jobs_done
+            out = messages.Output.from_message(await peer.servicer._chained_step(session, step_message(99, 0, x)))
+            jobs.append(peer.runtime.jobs_done - before)
+            torch.testing.assert_close(out.hidden.decode(), whole, rtol=1e-5, atol=1e-5)
+            assert session.cache.length == 100
+        return jobs
+
+    with peer.runtime:
+        jobs = asyncio.run(main())
+    assert jobs == [1, -(-100 // MIN_CHUNK)]
