@@ -414,13 +414,9 @@ class Peer:
         one, then load the new span, announce it online and drain the old one."""
         if self.draining is not None:
             return  # one move at a time
-        decision = self._decide(served)
-        if decision is None:
-            return
-        # decided again on a fresh read: one lookup that missed a record (a DHT query timed out under load)
-        # must not make a settled peer claim blocks it would give back a second later
-        decision = self._decide(await self.view.read())
-        if decision is None:
+        # decided on two reads: one lookup that missed a record (a DHT query timed out under load) must not make
+        # a settled peer claim blocks it would give back a second later
+        if self._decide(served) is None or (decision := self._decide(await self.view.read())) is None:
             return
         decision = await self._fetch_for(decision)
         if decision is None:
