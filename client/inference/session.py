@@ -372,6 +372,7 @@ class InferenceSession:
         try:
             new_hops = await self._replace(i, exclude=self.avoid, wait=False)
         except NoRoute:
+            logger.info("no other peer serves blocks %s: staying with the slow one", link.hop.span)
             self.avoid.discard(link.hop.peer)  # no alternative: keep the slow peer
             link.detector = SlowDetector(self.config.slow_factor, self.config.slow_steps)
             return

@@ -8,6 +8,7 @@ equal transformers' local `generate`, and the stall between two tokens must stay
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -96,7 +97,8 @@ class Throttle:
         os.kill(self.pid, signal.SIGCONT)
 
 
-def test_slow_peer_is_avoided_for_the_rest_of_the_session(replicated, tiny_llama, expected):
+def test_slow_peer_is_avoided_for_the_rest_of_the_session(replicated, tiny_llama, expected, caplog):
+    caplog.set_level(logging.INFO, logger="client")
     # a client of its own: the shared one may still ban the replica an earlier test froze (5 s), and with its
     # only alternative banned a slow peer is rightly kept
     model = DistributedModelForCausalLM.from_pretrained(tiny_llama, replicated.bootstrap_addrs, model_id=MODEL_ID,
@@ -114,6 +116,7 @@ def test_slow_peer_is_avoided_for_the_rest_of_the_session(replicated, tiny_llama
         for t in throttles:
             t.halt()
         model.close()
+    assert len(fault.session.failovers) == 1, (fault.victim, caplog.text[-3000:])
     [failover] = fault.session.failovers
     assert failover.reason == "slow" and failover.failed_peer == replicated.procs[fault.victim].peer_id
     assert fault.victim not in {name for name, p in replicated.procs.items()

@@ -188,26 +188,34 @@ def together(calls) -> list:
 
 
 def test_concurrent_conversations_with_one_system_prompt_compute_it_once(net, apis, demo_model_dir):
+    """Two requests sharing a system prompt at once, through each gateway: the warm one computes the prompt once
+    (one request forks the other's session), so the peers run 2 x shared tokens less (once on each hop). The
+    peers' counters also count whatever else they run meanwhile (a step resent to a busy machine's peer), so a
+    window that does not add up is measured once more, with a prompt of its own."""
     from transformers import AutoTokenizer
 
     model = apis["warm"].models.list().data[0].id
-    # unlike the kept sessions' system prompt from its first word: nothing kept shares its start
-    system = "Members may also book a meeting room for up to two hours a day. " + SYSTEM
-    questions = ["Can I book the meeting room?", "How long can I keep a book?"]
-    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
-    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
-               for m in asks]
-    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
-    runs = {}
-    for name in ("cold", "warm"):
-        before = peer_tokens(net)
-        answers = together([lambda m=m: chat(apis[name], model, m) for m in asks])
-        runs[name] = answers, peer_tokens(net) - before
-    (cold, cold_tokens), (warm, warm_tokens) = runs["cold"], runs["warm"]
-    assert [text for text, _ in warm] == [text for text, _ in cold]
-    assert sorted(cached for _, cached in warm) == [0, shared]  # one computed it, the other forked it
-    assert warm_tokens == pytest.approx(cold_tokens - 2 * shared, abs=4)  # once on each of the two hops
+    for attempt in range(2):
+        # unlike the kept sessions' system prompt from its first word: nothing kept shares its start
+        system = f"Members may also book meeting room {attempt + 1} for up to two hours a day. " + SYSTEM
+        questions = ["Can I book the meeting room?", "How long can I keep a book?"]
+        asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+        prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
+                   for m in asks]
+        shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+        runs = {}
+        for name in ("cold", "warm"):
+            before = peer_tokens(net)
+            answers = together([lambda m=m: chat(apis[name], model, m) for m in asks])
+            runs[name] = answers, peer_tokens(net) - before
+        (cold, cold_tokens), (warm, warm_tokens) = runs["cold"], runs["warm"]
+        assert [text for text, _ in warm] == [text for text, _ in cold]
+        assert sorted(cached for _, cached in warm) == [0, shared]  # one computed it, the other forked it
+        if warm_tokens == pytest.approx(cold_tokens - 2 * shared, abs=4) or attempt == 1:
+            break
+    logs = {name: net.procs[name].text()[-1500:] for name in ("warm", "cold")}
+    assert warm_tokens == pytest.approx(cold_tokens - 2 * shared, abs=4), logs  # once on each of the two hops
     assert api_metric(apis["warm"], "swarm_api_prefix_hits_total", {"kind": "fork"}) >= 1
 
 
