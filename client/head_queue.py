@@ -6,7 +6,8 @@ read once per call whatever its rows: one row takes 7.9 ms here, eight take 15 m
 the head themselves: they queue their hidden states, and one call at a time in the executor computes every
 queued row. A call takes what is queued when it starts, and what arrives while it runs goes into the next one
 (continuous batching, as on the peers), with the peers' one exception (`swarm.machine`): while every core of
-the machine has other work, a call with fewer rows than the last one waits for more, `COMPANY_WAIT` at most.
+the machine has other work, a call with fewer rows than the last one waits for more,
+`machine.COMPANY_WAIT` at most.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ import torch
 
 from swarm import machine
 
-COMPANY_WAIT = 0.05  # the longest a call waits for the rows of the last one, and only while every core is busy
-COMPANY_CHECK = 0.001  # seconds between looks while it waits
 
 
 class HeadQueue:
     """`await logits(hidden)`: the head's logits of `hidden` [..., hidden size] (any leading shape), computed
     together with the other generations' rows queued at the same time."""
 
-    def __init__(self, head, executor: Executor, company_wait: float = COMPANY_WAIT, cores_busy=machine.cores_busy):
+    def __init__(self, head, executor: Executor, company_wait: float = machine.COMPANY_WAIT,
+                 cores_busy=machine.cores_busy):
         self.head, self.executor = head, executor
         self.company_wait, self.cores_busy = company_wait, cores_busy
         self._queued: list[tuple[torch.Tensor, asyncio.Future]] = []
@@ -48,7 +48,7 @@ class HeadQueue:
             while self._queued:
                 deadline = loop.time() + self.company_wait
                 while len(self._queued) < self._last and loop.time() < deadline and self.cores_busy():
-                    await asyncio.sleep(COMPANY_CHECK)
+                    await asyncio.sleep(machine.COMPANY_CHECK)
                 batch, self._queued = self._queued, []
                 self._last = len(batch)
                 batch = [(h, f) for h, f in batch if not f.cancelled()]

@@ -101,8 +101,8 @@ class SwarmView:
 
     async def _ping(self, peers: list[str], newest: dict[str, int]) -> dict[str, tuple[int, int] | None]:
         """Asks each of `peers` what it serves. One that cannot be reached twice, `LOST_RETRY_S` apart, is gone
-        at once (killed: nothing listens; one failed dial under load is not enough); one that stays silent (busy under a CPU quota, or frozen) only after `SILENT_PINGS` pings
-        in a row. Returns the blocks [start, end) each peer that answered says it serves (None if it
+        at once (killed: nothing listens; one failed dial under load is not enough); one that stays silent (busy
+        under a CPU quota, or frozen) only after `SILENT_PINGS` pings in a row. Returns the blocks [start, end) each peer that answered says it serves (None if it
         answered with an error)."""
         answers = await asyncio.gather(*(self._serving(p) for p in peers))
         out = {}

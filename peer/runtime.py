@@ -68,9 +68,6 @@ logger = logging.getLogger(__name__)
 # Rows (sum of the sessions' batch sizes) in one batched call at most: 8 full sessions at the default
 # --max-batch of 8. A batch's time grows with its rows, and every step in it waits for the whole batch.
 MAX_BATCH_ROWS = 64
-# The longest a batch waits for the sessions of the last one, and only while every core is busy (docstring).
-COMPANY_WAIT = 0.05
-COMPANY_CHECK = 0.001  # seconds between looks at the cores while it waits (a step queued ends the look at once)
 COMPANY_SOON = 0.01  # a session's next step due within this many seconds is waited for (docstring), no later
 DECODING_S = 0.5  # a session whose last one-token step ended this recently counts as decoding (`decoding`)
 GAP_WEIGHT = 0.5  # weight of the last measured gap in a session's figure
@@ -136,7 +133,7 @@ class ClientSlots:
 
 class Runtime:
     def __init__(self, max_queue: int = 256, name: str = "compute", max_batch_rows: int = MAX_BATCH_ROWS,
-                 idle_credit: float = IDLE_CREDIT, company_wait: float = COMPANY_WAIT,
+                 idle_credit: float = IDLE_CREDIT, company_wait: float = machine.COMPANY_WAIT,
                  cores_busy: Callable[[], bool] = machine.cores_busy, between: Callable[[], None] | None = None):
         """`between`: called on the worker thread before each job and, while idle, every `IDLE_TICK` seconds (no
         job runs then: the peer frees there the cache blocks of sessions closed meanwhile)."""
@@ -283,7 +280,7 @@ class Runtime:
             if now - start >= self.company_wait:
                 return
             if self.cores_busy() and self._last.get(key, frozenset()) - here:
-                self._ready.wait(COMPANY_CHECK)
+                self._ready.wait(machine.COMPANY_CHECK)
                 continue
             # only those already on their way: due soon (a session not measured yet is due at once), not overdue
             due = [settled + self._gap.get(owner, 0.0) for owner, (settled, k) in self._settled.items()
@@ -291,7 +288,7 @@ class Runtime:
             soon = [d for d in due if -COMPANY_SOON <= d - now <= COMPANY_SOON]
             if not soon or now - start >= COMPANY_SOON:
                 return
-            self._ready.wait(max(0.0, min(max(soon) - now + COMPANY_CHECK, start + COMPANY_SOON - now)))
+            self._ready.wait(max(0.0, min(max(soon) - now + machine.COMPANY_CHECK, start + COMPANY_SOON - now)))
 
     def _gather(self, head: _Job, key: Hashable) -> list[_Job]:
         taken, owners, rows, kept = [head], {head.batch.owner}, head.batch.rows, deque()

@@ -16,6 +16,10 @@ import os
 
 LOADAVG = "/proc/loadavg"
 CORES = os.cpu_count() or 1
+# How long a batch (a peer's steps, a gateway's head rows) waits for the sessions of the last one at most, and
+# only while every core is busy; and how often it looks again meanwhile
+COMPANY_WAIT = 0.05
+COMPANY_CHECK = 0.001
 
 
 def cores_busy(path: str = LOADAVG) -> bool:

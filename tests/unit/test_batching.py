@@ -210,12 +210,17 @@ def test_full_queue_is_busy_at_once_for_batchable_jobs():
 
 # ---- continuous batching: waiting for the last batch's sessions only while every core is busy ----
 
+async def batched_a1_b1(rt: Runtime, rec) -> None:
+    """Sessions a and b share a batch (a1, b1); later jobs take no time."""
+    await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
+    rec.delay = 0.0
+
+
 def test_the_next_job_never_waits_for_the_owners_of_the_last_batch_while_a_core_is_free():
     rec = Recorder(delay=0.4)
 
     async def main(rt):
-        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
-        rec.delay = 0.0
+        await batched_a1_b1(rt, rec)
         started = time.monotonic()
         first = await batchable(rt, rec, "a2", "a")()  # b's next step is not there yet: a runs at once
         took = time.monotonic() - started
@@ -233,8 +238,7 @@ def test_while_every_core_is_busy_the_next_job_waits_for_the_last_batch_a_bounde
     rec = Recorder(delay=0.1)
 
     async def main(rt):
-        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
-        rec.delay = 0.0
+        await batched_a1_b1(rt, rec)
         first = asyncio.create_task(batchable(rt, rec, "a2", "a")())
         await asyncio.sleep(0.03)  # b's next step comes a little later, as over a network
         second = asyncio.create_task(batchable(rt, rec, "b2", "b")())
@@ -254,8 +258,7 @@ def test_other_work_is_never_held_back_by_waiting_for_company():
     rec = Recorder(delay=0.1)
 
     async def main(rt):
-        await held(rt, [batchable(rt, rec, "a1", "a"), batchable(rt, rec, "b1", "b")])
-        rec.delay = 0.0
+        await batched_a1_b1(rt, rec)
         started = time.monotonic()
         waiting = asyncio.create_task(batchable(rt, rec, "a2", "a")())
         await asyncio.sleep(0.01)
