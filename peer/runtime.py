@@ -279,7 +279,7 @@ class Runtime:
             now = time.monotonic()
             if now - start >= self.company_wait:
                 return
-            if self.cores_busy() and self._last.get(key, frozenset()) - here:
+            if self._last.get(key, frozenset()) - here and self.cores_busy():  # the file read last
                 self._ready.wait(machine.COMPANY_CHECK)
                 continue
             # only those already on their way: due soon (a session not measured yet is due at once), not overdue

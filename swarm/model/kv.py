@@ -191,10 +191,6 @@ class Pool:
             self._refs[i] = 1
         return ids
 
-    def _refs_clear(self, ids) -> None:
-        for i in ids:
-            self._refs[i] = 0
-
     def _retain(self, ids) -> None:
         for i in ids:
             self._refs[i] += 1
@@ -220,6 +216,8 @@ class Pool:
 
     def collect(self) -> None:
         """Free the blocks in limbo: call it where no step can read them (between two jobs of the compute thread)."""
+        if not self._limbo:  # nothing closed since (a close racing this is collected before the next job)
+            return
         with self.lock:
             limbo, self._limbo = self._limbo, []
             self._free_all(limbo)

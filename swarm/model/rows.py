@@ -220,14 +220,11 @@ class Rows:
                         self.tables[r][j] = old
                         with contextlib.suppress(Exception):
                             self._place(r, j, None)
-                self.pool._free_all(ids)
-                self.pool._refs_clear(ids)
+                self.pool._release(ids)  # held by nothing else yet: free again
                 self.credits += paid
                 self.pool.reserved += paid
                 raise
-            for _, _, old in placed:
-                if old is not None:
-                    self.pool._release([old])
+            self.pool._release([old for _, _, old in placed if old is not None])
 
     def _place(self, row: int, index: int, copy_of: int | None) -> None:
         """Put the row's block `index` in place (its table entry is set); with `copy_of`, holding that block's
@@ -318,7 +315,7 @@ class MappedRows(Rows):
         return new
 
     def _row(self, row: int) -> torch.Tensor:
-        per = self.row_bytes // self.flat.element_size()
+        per = self.row_elements
         return self.flat[row * per:(row + 1) * per]
 
 
