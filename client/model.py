@@ -45,6 +45,7 @@ from client.inference.forward import forward
 from client.inference.hops import output_floor
 from client.inference.routing import Hop
 from client.inference.fork import can_fork, fork
+from client.inference.referee import Referee
 from client.inference.session import Failover, InferenceSession
 from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
 from swarm.errors import BadRequest
@@ -261,7 +262,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         try:
             ckpt = Checkpoint(model, model_config, source=weights.source)
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
-            connection.client  # noqa: B018 - waits for the join, raising its error
+            connection.client.referee = Referee(ckpt)  # waits for the join, raising its error
             self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)
             self.reuse_sessions = reuse_sessions
             if (Path(model) / "generation_config.json").exists():

@@ -120,14 +120,6 @@ class Rewound(SwarmError):
         self.position = position
 
 
-class Disputed(SwarmError):
-    """Two peers computed different outputs for the same blocks and inputs, and no third peer could tell which
-    is right: the client refuses to give out what either computed."""
-
-    code = "disputed"
-    retryable = False
-
-
 class Unchecked(SwarmError):
     """The route has blocks that no other peer can check, and the client was told to refuse unchecked outputs
     (`--require-checked`)."""

@@ -11,6 +11,13 @@ Modes:
   100 times faster than it is. Its stateless forwards are honest.
 - `liar`: as `noisy`, and its stateless forwards carry noise too (a lie consistent across every way the
   client can ask it, which only other peers can expose).
+- `self-contradicting`: the same lie each time (a fixed pattern, a function of the true output) on its sessions
+  and on stateless forwards of its whole span, honest forwards of any part of it: only its own answers
+  chained together expose it.
+- `other-weights` (or `other-weights:SEED`): computes honestly with weights of its own (each block's weights
+  perturbed by 5% noise from SEED, default 0): a consistent liar, the same in sessions, pushes and forwards of
+  any span, that only a computation of the true weights can expose. Two of them with one seed agree with each
+  other (colluding).
 - `zeros`, `constant`, `nan`: every step's and every stateless forward's output is all zeros, has each row
   constant (at the row's honest RMS, so norms look right and only the spread is gone), or is all NaN: in
   its replies and its pushes alike.
@@ -19,6 +26,7 @@ Modes:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import random
 import sys
@@ -27,10 +35,12 @@ from pathlib import Path
 import torch
 
 from peer import capacity, servicer
+from swarm.model import blocks
 from swarm import cli
 from swarm.net import messages
 
-MODES = ("tamper-push", "blackhole", "noisy", "liar", "zeros", "constant", "nan")
+MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "zeros", "constant",
+         "nan")
 DEGENERATE = {
     "zeros": torch.zeros_like,
     "constant": lambda x: (x.pow(2).mean(-1, keepdim=True).sqrt()).expand_as(x).contiguous(),
@@ -90,6 +100,57 @@ def _liar() -> None:
     _forwards(lambda x: x + 0.5 * x.abs().mean() * torch.randn_like(x))
 
 
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("target", default=None)
+
+
+def _pattern(x: torch.Tensor) -> torch.Tensor:
+    """A lie that is the same for the same output: a fixed pattern scaled to its magnitude."""
+    wave = torch.cos(torch.arange(x.shape[-1], dtype=x.dtype))
+    return x + 0.5 * x.abs().mean(-1, keepdim=True) * wave
+
+
+def _self_contradicting() -> None:
+    check_target = servicer.Servicer._check_target
+
+    def target(self, model, start, end, digest=None):
+        span = check_target(self, model, start, end, digest)
+        _TARGET.set(span == self.served.span)  # a forward's reply is made in this task: it knows
+        return span
+
+    servicer.Servicer._check_target = target
+    original = servicer.Servicer._step
+
+    async def step(self, session, msg):
+        output = await original(self, session, msg)
+        return dataclasses.replace(output, hidden=messages.Hidden.encode(
+            _pattern(output.hidden.decode().float()), output.hidden.encoding))
+
+    servicer.Servicer._step = step
+    to_message = messages.Output.to_message
+
+    def forward_reply(self):
+        if self.step is not None or not _TARGET.get():
+            return to_message(self)
+        return to_message(dataclasses.replace(self, hidden=messages.Hidden.encode(
+            _pattern(self.hidden.decode().float()), self.hidden.encoding)))
+
+    messages.Output.to_message = forward_reply
+
+
+def _other_weights(seed: float = 0) -> None:
+    init = blocks.SpanBlocks.__init__
+
+    def perturbed(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.is_floating_point() and p.numel() > 1:
+                    g = torch.Generator().manual_seed(int(seed) * 7919 + sum(map(ord, name)))
+                    p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g).to(p.dtype))
+
+    blocks.SpanBlocks.__init__ = perturbed
+
+
 def _degenerate(mode: str) -> None:
     alter = DEGENERATE[mode]
 
@@ -119,6 +180,7 @@ if __name__ == "__main__":
     if name in DEGENERATE:
         _degenerate(name)
     else:
-        {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy,
-         "liar": _liar}[name](*map(float, filter(None, [arg])))
+        {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy, "liar": _liar,
+         "self-contradicting": _self_contradicting, "other-weights": _other_weights}[name](
+            *map(float, filter(None, [arg])))
     sys.exit(cli.main(argv))

@@ -436,7 +436,7 @@ async def serve(config: ApiConfig, client_config: ClientConfig, models: list, st
                     loaded[-1].context_length)
     async with joined_node(client_config) as node:
         served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config, m.digest,
-                                                         floor=m.floor))
+                                                         floor=m.floor, referee=m.referee))
                   for m in loaded]
         gateway = Gateway(config, served)
         try:

@@ -19,6 +19,7 @@ from typing import Any
 from client.api.requests import CHARS_PER_TOKEN, ApiError, Common, invalid
 from client.config import ApiConfig, ClientConfig
 from client.inference.hops import output_floor
+from client.inference.referee import Referee
 from swarm.errors import ConfigError
 
 
@@ -37,6 +38,7 @@ class ServedModel:
     digest: str | None = None  # the weights of its head: routes only through peers with the same
     floor: float = output_floor()  # the spread under which its hidden states are degenerate (`hops.output_floor`)
     recurrent: bool = False  # some layer keeps a recurrent state: caches return only to recent step ends
+    referee: Any = None  # client.inference.referee.Referee: this checkpoint's blocks, computed here to settle disputes
 
     @property
     def vocab_size(self) -> int:
@@ -148,4 +150,4 @@ async def load(weights, config: ApiConfig, client_config: ClientConfig) -> Serve
     await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
     return ServedModel(model_id, None, head, tokenizer, context_length_of(ckpt.config, config.context_length),
                        end_tokens, ckpt.num_blocks, Path(path), weights.digest, output_floor(ckpt.config),
-                       ckpt.recurrent)
+                       ckpt.recurrent, Referee(ckpt))

@@ -1,20 +1,28 @@
 """Settling a failed check (`client.inference.verify`): who returned wrong outputs, the hop or a checker. Async.
 
 A check runs a hop's inputs (peer P, blocks S) through a chain of other peers covering S (its checkers: one
-peer, or several whose spans together cover S) and compares the outputs. When they differ, the client takes
-neither side on its word:
-1. P recomputes each checker's piece (a stateless forward of that piece's inputs, as the checkers computed
-   them). P disagreeing with two or more different checkers means two independent peers agree against P:
-   P lied. If P agrees with every piece, P recomputes its whole span: if that contradicts what its session
-   returned (an honest peer computes the same numbers both ways, within the tolerance), P lied; if not,
-   nobody did (the pieces' rounding added up past the tolerance) and the outputs count as checked.
-2. Otherwise P disagrees with exactly one checker c, on c's piece T. A third opinion: another chain of peers
-   for T, neither P nor c, recomputes it, and whichever of P and c it agrees with (and the other not) is
-   right; a third that agrees with both or neither settles nothing (step 3).
-3. No third chain exists: a dispute (`FailurePolicy.dispute`). A peer that disputed with two different
-   peers is the liar; otherwise the dispute stays open: neither is banned, and the hop's outputs from
-   there on are not given out (the session refuses with `Disputed` if nothing settles it).
-A peer that fails to recompute (an error, no answer in time) is banned as any failed peer is, and loses.
+peer, or several whose spans together cover S) and compares the outputs. When they differ, nobody is taken
+on its word, and no number of peers agreeing convicts anyone (identities cost nothing). A peer is convicted
+only by evidence no accuser can make:
+- **its own answers contradict each other**: what its session returned against its stateless recomputation
+  of the same inputs (within the formats' tolerance), or its pieces chained together against its answer for
+  their whole span (tightly: one peer computing the same numbers twice, `TIGHT` of the tolerance);
+- **the client's own computation** (`client.inference.referee`) of the one block where it and the other side
+  first disagree on the same input.
+
+1. P recomputes each checker's piece on that checker's input. The first piece T where P and its checker c
+   disagree is a dispute of two (step 2). If P agrees with every piece, P recomputes its whole span: a
+   session answer that contradicts it, or (several pieces) P's own pieces chained that contradict it,
+   convict P; otherwise nobody lied (the pieces' rounding added up past the tolerance).
+2. Bisection: both sides compute the first half of T on their input and the second half on their own first
+   half's output; a side whose halves contradict its answer for T is convicted. The half where they
+   disagree is kept (for the second half, each side's input is its own first-half output) until one
+   block is left, which the client computes on each side's input: a side that disagrees with that lied.
+   About 2 log2(|T|) forwards of at most |T| blocks by each side, then one block here.
+3. Without a referee (no checkpoint at hand, or its weights cannot be had), the dispute stays open: neither
+   side is banned, and the hop's outputs from there are unchecked (said as for a sole server), never
+   verified. Disputes are forgotten after `failures.DISPUTE_S`.
+A peer that fails to answer (an error, no answer in time) is banned as any failed peer is, and loses.
 """
 
 from __future__ import annotations
@@ -35,13 +43,16 @@ from swarm.span import Span
 
 logger = logging.getLogger(__name__)
 
+TIGHT = 0.1  # a peer's pieces chained may differ from its whole-span answer by this fraction of the tolerance
+
 
 @dataclass(frozen=True)
 class Verdict:
     liar: str | None  # the peer that returned wrong outputs; None: nobody (`other` None) or an open dispute
     other: str | None = None  # the other side of an open dispute
     span: Span | None = None  # the blocks they disagree about
-    convicted: bool = True  # False: the liar failed to recompute (a failure, not a proven lie)
+    convicted: bool = True  # False: the liar failed to answer (a failure, not a proven lie)
+    evidence: str = ""  # why, as a log says it
 
 
 def distances(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -63,66 +74,103 @@ async def recompute(client, hop: Hop, x: torch.Tensor, mask: torch.Tensor | None
         client.deadline(hop, x.shape[0] * x.shape[1]))
 
 
+class Failed(Exception):
+    """A side failed to answer (it is banned as a failed peer)."""
+
+    def __init__(self, peer: str):
+        self.peer = peer
+
+
 async def settle(client, primary: str, fmt: str, checkers: list[Hop], inputs: list[torch.Tensor],
                  outputs: list[torch.Tensor], claimed: torch.Tensor, mask: torch.Tensor | None,
                  tol: float) -> Verdict:
     """Who lied, P (`primary`) or one of `checkers` (module docstring). `inputs[j]`, `outputs[j]`: what checker
     j was given and returned, positions `[0, n)`; `claimed`: what P returned for them; `mask`: the attention
     mask of those positions."""
-    against, mine = [], None
-    for hop, x, want in zip(checkers, inputs, outputs):
-        mine = await _recompute(client, Hop(primary, hop.span), x, mask)
-        if mine is None:
-            return Verdict(primary, convicted=False)
-        if disagree(mine, want, tol):
-            against.append((hop, x, want, mine))
-    if len({hop.peer for hop, *_ in against}) > 1:
-        logger.info("peer %s's outputs contradict %d different peers", describe_peer(primary), len(against))
-        return Verdict(primary)
-    if not against:
-        if len(checkers) > 1:  # one checker: its piece was the whole span, recomputed already
-            whole = Hop(primary, Span(checkers[0].span.start, checkers[-1].span.end))
-            mine = await _recompute(client, whole, inputs[0], mask)
-            if mine is None:
-                return Verdict(primary, convicted=False)
-        if disagree(mine, claimed, tol):
-            logger.info("peer %s's outputs contradict its own recomputation", describe_peer(primary))
-            return Verdict(primary)
-        return Verdict(None)  # everyone agrees piece by piece: rounding, not a lie
-    hop, x, want, mine = against[0]
-    third = await _third_opinion(client, hop.span, {primary, hop.peer}, fmt, x, mask)
-    if third is not None:
-        if not disagree(third, want, tol) and disagree(third, mine, tol):
-            return Verdict(primary)
-        if not disagree(third, mine, tol) and disagree(third, want, tol):
-            return Verdict(hop.peer)
-    liar = client.failures.dispute(primary, hop.peer)
-    return Verdict(liar, None if liar else hop.peer, hop.span, convicted=False)
-
-
-async def _recompute(client, hop: Hop, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`recompute` by the hop under suspicion; None if it failed (it is banned as a failed peer)."""
     try:
-        return await recompute(client, hop, x, mask)
+        return await _settle(client, primary, checkers, inputs, outputs, claimed, mask, tol)
+    except Failed as e:
+        return Verdict(e.peer, convicted=False, evidence="it failed to answer")
+
+
+async def _settle(client, primary, checkers, inputs, outputs, claimed, mask, tol) -> Verdict:
+    mine = []
+    for hop, x, want in zip(checkers, inputs, outputs):
+        mine.append(await _forward(client, primary, hop.span, x, mask))
+        if disagree(mine[-1], want, tol):
+            return await bisect(client, (primary, hop.peer), hop.span, (x, x), (mine[-1], want), mask, tol)
+    whole = Span(checkers[0].span.start, checkers[-1].span.end)
+    own = mine[0] if len(checkers) == 1 else await _forward(client, primary, whole, inputs[0], mask)
+    if disagree(own, claimed, tol):
+        return _convicted(primary, whole, "its session's outputs contradict its own recomputation")
+    if len(checkers) > 1:
+        chained = mine[0]
+        for hop in checkers[1:]:
+            chained = await _forward(client, primary, hop.span, chained, mask)
+        if disagree(chained, own, tol * TIGHT):
+            return _convicted(primary, whole, "its pieces chained contradict its answer for their whole span")
+    return Verdict(None, evidence="every piece agrees: rounding")
+
+
+async def bisect(client, sides: tuple[str, str], span: Span, inputs: tuple[torch.Tensor, torch.Tensor],
+                 claims: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, tol: float) -> Verdict:
+    """Two peers (`sides`) that computed `claims` for `span` from `inputs` (each its own) and disagree: narrowed
+    down to one block, which the client computes (module docstring, step 2)."""
+    while len(span) > 1:
+        mid = span.start + len(span) // 2
+        first, second = Span(span.start, mid), Span(mid, span.end)
+        halves = await asyncio.gather(*(_halves(client, peer, first, second, x, mask)
+                                        for peer, x in zip(sides, inputs)))
+        for peer, (_, b), claim in zip(sides, halves, claims):
+            if disagree(b, claim, tol * TIGHT):
+                return _convicted(peer, span, f"its answers for blocks {first} and {second} chained contradict its "
+                                              f"answer for {span}")
+        (a0, b0), (a1, b1) = halves
+        if disagree(a0, a1, tol):
+            span, claims = first, (a0, a1)
+        elif disagree(b0, b1, tol):
+            span, inputs, claims = second, (a0, a1), (b0, b1)
+        else:
+            return Verdict(None, evidence=f"every half of blocks {span} agrees: rounding")
+    return await _referee(client, sides, span, inputs, claims, mask, tol)
+
+
+async def _referee(client, sides, span, inputs, claims, mask, tol) -> Verdict:
+    referee = getattr(client, "referee", None)
+    truth = None if referee is None else await referee.run(span.start, inputs[0], mask)
+    truths = [truth, truth if inputs[1] is inputs[0] or truth is None else await referee.run(span.start, inputs[1], mask)]
+    if any(t is None for t in truths):
+        logger.warning("peers %s and %s disagree about block %d, and it cannot be computed here: the dispute stays "
+                       "open", describe_peer(sides[0]), describe_peer(sides[1]), span.start)
+        client.failures.dispute(*sides)
+        return Verdict(None, sides[1], span, convicted=False)
+    wrong = [peer for peer, claim, t in zip(sides, claims, truths) if disagree(claim, t, tol)]
+    evidence = f"its output of block {span.start} contradicts this client's own computation"
+    if len(wrong) == 2:
+        client.failures.convict(wrong[1])  # both lied: one verdict returned, the other convicted here
+        logger.warning("peer %s returned wrong outputs for block %d: %s", describe_peer(wrong[1]), span.start, evidence)
+    if wrong:
+        return _convicted(wrong[0], span, evidence)
+    return Verdict(None, evidence=f"both sides agree with this client's computation of block {span.start}: rounding")
+
+
+def _convicted(peer: str, span: Span, evidence: str) -> Verdict:
+    logger.warning("peer %s returned wrong outputs for blocks %s: %s", describe_peer(peer), span, evidence)
+    return Verdict(peer, span=span, evidence=evidence)
+
+
+async def _halves(client, peer: str, first: Span, second: Span, x: torch.Tensor,
+                  mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    a = await _forward(client, peer, first, x, mask)
+    return a, await _forward(client, peer, second, a, mask)
+
+
+async def _forward(client, peer: str, span: Span, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`recompute` by a side of a dispute; `Failed` if it failed (it is banned as a failed peer)."""
+    try:
+        return await recompute(client, Hop(peer, span), x, mask)
     except (asyncio.TimeoutError, SwarmError) as e:
-        client.ban(hop.peer, reason_of(e))
-        logger.info("peer %s could not recompute blocks %s to settle a check (%s)", describe_peer(hop.peer),
-                    hop.span, reason_of(e))
-        return None
-
-
-async def _third_opinion(client, span: Span, parties: set[str], fmt: str, x: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`x` through another chain of peers covering `span` in format `fmt` (none of `parties`, nor the peers
-    they disputed with); None if there is none or it fails."""
-    exclude = set(parties).union(*(client.failures.disputed(p) for p in parties))
-    chain = client.checkers(span, exclude=exclude, fmt=fmt)
-    if chain is None:
-        return None
-    for hop in chain:
-        try:
-            x = await recompute(client, hop, x, mask)
-        except (asyncio.TimeoutError, SwarmError) as e:
-            client.ban(hop.peer, reason_of(e))
-            return None
-    return x
+        client.ban(peer, reason_of(e))
+        logger.info("peer %s could not recompute blocks %s to settle a check (%s)", describe_peer(peer), span,
+                    reason_of(e))
+        raise Failed(peer) from None

@@ -18,10 +18,11 @@ reroute the hop's span (the caller then replaces the hop and, in a session, repl
   upstream peers is suspected of lying itself and banned too (one peer cannot frame honest ones for
   long).
 - A failed check of outputs (`client.inference.verify`, `client.inference.arbiter`) ends in one of two
-  ways: a liar is found (`convict`: banned for long), or two computations disagreed and nothing could tell
-  which is right (`dispute`). Disputes are remembered across sessions:
-  a peer that disagreed with two different peers is the liar (two independent honest peers agree), and
-  the peers it disputed with are cleared.
+  ways: a liar is proven (`convict`: by its own contradicting answers or by the client's own computation;
+  banned for `LIAR_BAN_S`, and the conviction ends with the ban), or two computations disagreed and nothing
+  could tell which is right (`dispute`: neither side is banned; the pair is not used to check each other for
+  `DISPUTE_S`). No count of disputes convicts anyone: identities cost nothing, so many of them agreeing
+  proves nothing.
 - A peer whose output no blocks can produce (`WrongOutput`: non-finite, absurd or degenerate values, see
   `client.inference.hops.implausible`) is banned for long too, like one caught by a replica.
 - Waiting for blocks (`SwarmClient.wait_for_route`) is for blocks whose peers left or failed for a while;
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 UNPROVEN_ATTEMPTS = 64  # failures of peers that never served this client, per request, on top of max_retries
 LIAR_BAN_S = 3600.0  # a peer caught altering what it passes on is avoided this long
+DISPUTE_S = 600.0  # an open dispute between two peers is remembered this long
 LIES = {"wrong_output": "returned wrong outputs", "chain_mismatch": "altered what it passed on",
         "suspect": "accused honest peers"}  # the reasons of a liar's ban, as a user reads them
 
@@ -82,8 +85,10 @@ class FailurePolicy:
     max_retries: int
     proven: set[str] = field(default_factory=set)
     blamed_by: dict[str, set[str]] = field(default_factory=dict)  # accuser -> the peers it blamed
-    convicted: set[str] = field(default_factory=set)  # peers found returning wrong outputs
-    disputes: dict[str, set[str]] = field(default_factory=dict)  # peer -> the peers it disagreed with, unresolved
+    # peers proven to have returned wrong outputs -> when the conviction ends (with their ban)
+    convictions: dict[str, float] = field(default_factory=dict)
+    disputes: dict[frozenset[str], float] = field(default_factory=dict)  # open disputes -> when they are forgotten
+    clock: Callable[[], float] = time.monotonic
 
     def succeeded(self, peer: str) -> None:
         self.proven.add(peer)
@@ -92,30 +97,33 @@ class FailurePolicy:
         """The failure count of one request (a step of a session, or a forward) about `what` (the model)."""
         return Attempts(self, what)
 
-    def convict(self, liar: str) -> None:
-        """`liar` returned wrong outputs (a majority, or its own recomputation, says so): banned for long; the
-        peers it disputed with are cleared of those disputes."""
-        self.ban(liar, "wrong_output", LIAR_BAN_S)
-        self.convicted.add(liar)
-        for other in self.disputes.pop(liar, set()):
-            self.disputes.get(other, set()).discard(liar)
+    @property
+    def convicted(self) -> set[str]:
+        """Peers proven to have returned wrong outputs, whose conviction has not ended."""
+        now = self.clock()
+        for peer in [p for p, until in self.convictions.items() if until <= now]:
+            del self.convictions[peer]
+        return set(self.convictions)
 
-    def dispute(self, a: str, b: str) -> str | None:
-        """`a` and `b` computed different outputs for the same inputs and no third peer could tell which is right.
-        Returns the liar if this makes one plain (a peer disputing two different peers; it is convicted)."""
-        self.disputes.setdefault(a, set()).add(b)
-        self.disputes.setdefault(b, set()).add(a)
-        for peer in (a, b):
-            if len(self.disputes[peer]) >= 2:
-                logger.warning("peer %s disagreed with %d different peers about their outputs: it is the one lying",
-                               describe_peer(peer), len(self.disputes[peer]))
-                self.convict(peer)
-                return peer
-        return None
+    def convict(self, liar: str) -> None:
+        """`liar` returned wrong outputs (its own answers or the client's computation prove it): banned for
+        `LIAR_BAN_S`; its disputes end."""
+        self.ban(liar, "wrong_output", LIAR_BAN_S)
+        self.convictions[liar] = self.clock() + LIAR_BAN_S
+        for pair in [pair for pair in self.disputes if liar in pair]:
+            del self.disputes[pair]
+
+    def dispute(self, a: str, b: str) -> None:
+        """`a` and `b` computed different outputs for the same inputs and nothing could tell which is right:
+        neither is banned, and neither checks the other for `DISPUTE_S`."""
+        self.disputes[frozenset((a, b))] = self.clock() + DISPUTE_S
 
     def disputed(self, peer: str) -> set[str]:
-        """The peers `peer` disagreed with, unresolved."""
-        return set(self.disputes.get(peer, ()))
+        """The peers `peer` disagreed with, unresolved and not forgotten."""
+        now = self.clock()
+        for pair in [pair for pair, until in self.disputes.items() if until <= now]:
+            del self.disputes[pair]
+        return {other for pair in self.disputes if peer in pair for other in pair - {peer}}
 
     def chain_mismatch(self, upstream: str, downstream: str) -> None:
         """`downstream` computed on something other than `upstream`'s output: `upstream` is banned for long

@@ -23,7 +23,7 @@ import logging
 from client.inference.encodings import REPLAY_ENCODING
 from client.inference.hops import Inputs
 from client.inference.session import InferenceSession
-from client.inference.verify import Dispute, Shadow, Verifier
+from client.inference.verify import Shadow, Verifier
 from swarm.errors import BadRequest, SwarmError
 from swarm.net.transport import describe_peer
 
@@ -107,7 +107,7 @@ async def _fork_shadow(verifier: Verifier, span, shadow: Shadow, sources: list) 
 def _verifier(source: Verifier, session: InferenceSession, length: int) -> tuple[Verifier, list[tuple]]:
     """The source's checks as they stood for positions `[0, length)`, for the fork's route (the same hops):
     shadows that had verified some of them (with no sessions yet: `_fork_shadow` forks the source's, listed
-    with each shadow), disputes and outputs of replaced peers there, and the hops no one could check."""
+    with each shadow), outputs of replaced peers there, and the hops no one could check."""
     live = session.live
     verifier = Verifier(source.client, source.fraction, session.rng, session.max_length, live.batch, live.views,
                         live.formats, source.require_checked)
@@ -123,8 +123,6 @@ def _verifier(source: Verifier, session: InferenceSession, length: int) -> tuple
             verified)
         shadows.append((span, copy, list(shadow.sessions)))
     verifier.unchecked = {span: peer for span, peer in source.unchecked.items() if peers.get(span) == peer}
-    verifier.disputes = {span: Dispute(d.primary, d.checker, d.position) for span, d in source.disputes.items()
-                         if d.position < length and peers.get(span) == d.primary}
     verifier.owners = {boundary: [(peer, min(until, length)) for peer, until in owners]
                        for boundary, owners in source.owners.items()}
     return verifier, shadows

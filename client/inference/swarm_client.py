@@ -72,8 +72,11 @@ class PeerState:
 
 class SwarmClient:
     def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
-                 floor: float | None = None):
+                 floor: float | None = None, referee=None):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
+        # the client's own computation of single blocks (`client.inference.referee.Referee`), settling disputes
+        # between two peers; None: a client with no checkpoint at hand (disputes then stay open)
+        self.referee = referee
         # the spread under which a hidden vector is degenerate (`hops.implausible`; None: without the model's config)
         self.floor = hops.output_floor() if floor is None else floor
         self.digest = digest  # the weights of this client's head: routes only through peers with the same

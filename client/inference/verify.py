@@ -18,17 +18,18 @@ tolerance of the formats involved (`tolerance`): honest peers differ by rounding
 use different kernels; 16-bit and 8-bit formats and wire encodings round more). A lie smaller than that is
 not caught: it is also no larger than what honest peers of those formats differ by.
 
-When they differ, `client.inference.arbiter` settles who lied, by recomputations and a
-third opinion where one exists. A liar is banned for long; if it was the hop, the session records `lie`
-(the first position whose output was wrong), rolls back to it and replaces the hop (`InferenceSession.step`
-raises `Rewound`), and the generation goes on from that position: users saw only verified output
-(`verified_length`), so nothing they saw changes. If it was a checker, the hop gets other checkers. If
-nothing can tell, the dispute stays open: the hop's outputs from there are not verified, other checkers
-are tried, and `flush` raises `Disputed` if none settles it.
+When they differ, `client.inference.arbiter` settles who lied, from the sides' own answers and, for the one
+block they first disagree on, the client's own computation. A liar is banned for long; if it was the hop, the
+session records `lie` (the first position whose output was wrong), rolls back to it and replaces the hop
+(`InferenceSession.step` raises `Rewound`), and the generation goes on from that position: users saw only
+verified output (`verified_length`), so nothing they saw changes. If it was a checker, the hop gets other
+checkers. If nothing can tell (no referee here), the dispute stays open: the two are not used to check each
+other, and the hop is checked by others or, with none, is unchecked.
 
-A hop whose blocks no other chain covers cannot be checked: it counts as verified (logged) until checkers
-appear, then it is checked from the start. Such hops are listed (`unchecked`) so that callers can say so;
-with `require_checked` a hop that cannot be checked raises `Unchecked` instead.
+A hop whose blocks no other chain covers (or only peers it has an open dispute with) cannot be checked: it
+counts as verified (logged) until checkers appear, then it is checked from the start. Such hops are listed
+(`unchecked`) so that callers can say so; with `require_checked` a hop that cannot be checked raises
+`Unchecked` instead.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from client.inference.failures import reason_of
 from client.inference.hops import IDLE_REOPEN_S, Inputs
 from client.inference.peer_session import PeerSession
 from client.inference.routing import Hop
-from swarm.errors import Disputed, SwarmError, Unchecked
+from swarm.errors import SwarmError, Unchecked
 from swarm.span import Span
 from swarm.net.transport import describe_peer
 
@@ -72,15 +73,6 @@ class Lie:
     position: int  # the first position whose output disagreed
     distance: float
     checker: str
-
-
-@dataclass
-class Dispute:
-    """The hop's peer and a checker disagree from `position` on, and nothing could tell which is right yet."""
-
-    primary: str
-    checker: str
-    position: int
 
 
 @dataclass
@@ -113,7 +105,6 @@ class Verifier:
         self.require_checked = require_checked
         self.shadows: dict[Span, Shadow] = {}
         self.unchecked: dict[Span, str] = {}  # spans no other chain covered when last looked for -> their peer
-        self.disputes: dict[Span, Dispute] = {}
         # outputs a replaced hop left at a boundary (kept, and passed on, while its replacement replays):
         # boundary -> [(peer, positions it made there: [0, until) past the earlier entries)]
         self.owners: dict[int, list[tuple[str, int]]] = {}
@@ -121,9 +112,6 @@ class Verifier:
         self.checks = self.chunks_tokens = 0
 
     def verified(self, span: Span, length: int) -> int:
-        dispute = self.disputes.get(span)
-        if dispute is not None:
-            return min(dispute.position, length)
         if span in self.unchecked and span not in self.shadows:
             return length
         shadow = self.shadows.get(span)
@@ -143,8 +131,6 @@ class Verifier:
         if shadow is not None and shadow.primary != peer:
             self.drop(span)  # the hop moved to another peer: check it afresh
             shadow = None
-        if not self._settled(span, peer):
-            return None
         if shadow is None:
             shadow = self._shadow(span, peer)
             if shadow is None:
@@ -154,22 +140,6 @@ class Verifier:
                 shadow.cut = length
                 shadow.task = asyncio.create_task(self._check(span, shadow, length))
         return shadow.task
-
-    def _settled(self, span: Span, peer: str) -> bool:
-        """Whether the hop may be checked now: an open dispute about it is over (a side was convicted) or other
-        checkers may settle it. A convicted hop becomes `lie`."""
-        dispute = self.disputes.get(span)
-        if dispute is None:
-            return True
-        if dispute.primary != peer or dispute.checker in self.client.failures.convicted:
-            del self.disputes[span]  # the hop moved, or its accuser was the liar: checked afresh
-            return True
-        if dispute.primary in self.client.failures.convicted:
-            del self.disputes[span]
-            self._found(Lie(peer, span, dispute.position, float("nan"), dispute.checker))
-            return False
-        return self.client.checkers(span, exclude=self._excluded(peer), fmt=self.client.offer(peer).format) \
-            is not None
 
     def require(self, hops: list[Hop]) -> None:
         """With `require_checked`: `Unchecked` before anything is sent if some hop has no other peers to check it."""
@@ -189,15 +159,10 @@ class Verifier:
         hops = self.client.checkers(span, exclude=self._excluded(peer), fmt=fmt,
                                     cache_tokens=self.batch * self.max_length, rng=self.rng)
         if hops is None:
-            if span in self.disputes:
-                return None  # no one else to ask: the dispute stays open
-            disputed = self.client.failures.disputed(peer)
-            if disputed and self.client.checkers(span, exclude={peer}, fmt=fmt) is not None:
-                # only peers it disputed with could check it: still a dispute, not an unchecked hop
-                self.disputes[span] = Dispute(peer, min(disputed), 0)
-                return None
             if span not in self.unchecked:
-                logger.info("blocks %s have no other peers to check %s against", span, describe_peer(peer))
+                disputed = self.client.failures.disputed(peer)
+                logger.info("blocks %s have no other peers to check %s against%s", span, describe_peer(peer),
+                            f" but {len(disputed)} it has an open dispute with" if disputed else "")
                 if self.require_checked:
                     raise Unchecked(self._alone(span, peer))
             self.unchecked[span] = peer
@@ -207,11 +172,11 @@ class Verifier:
         return shadow
 
     async def flush(self, links: list[tuple[Span, str]], length: int) -> None:
-        """Check every hop up to `length` now (and wait for it); `Disputed` if a dispute stays open, a
-        `SwarmError` if a hop could not be checked (its checkers kept failing)."""
+        """Check every hop up to `length` now (and wait for it); a `SwarmError` if a hop could not be checked (its
+        checkers kept failing)."""
         if self.fraction <= 0:
             return
-        for _ in range(4):  # a check that was running covers less than `length`, or a dispute moved on: again
+        for _ in range(4):  # a check that was running covers less than `length`, or its checkers changed: again
             tasks = [t for span, peer in links if (t := self.start(span, peer, length)) is not None]
             if self.lie is not None:
                 return
@@ -219,11 +184,6 @@ class Verifier:
                 await asyncio.gather(*tasks, return_exceptions=True)
             if self.lie is not None or all(self.verified(span, length) >= length for span, _ in links):
                 return
-        for span, peer in links:
-            if (dispute := self.disputes.get(span)) is not None and dispute.primary == peer:
-                raise Disputed(f"peers {describe_peer(peer)} and {describe_peer(dispute.checker)} computed "
-                               f"different outputs for blocks {span} from position {dispute.position}, and no "
-                               "third peer can tell which is right")
         for span, peer in links:
             if self.verified(span, length) < length:
                 raise SwarmError(f"the outputs of peer {describe_peer(peer)} for blocks {span} could not be checked "
@@ -248,9 +208,6 @@ class Verifier:
             for kept in shadow.outputs:
                 if kept is not None:
                     kept.truncate(shadow.verified)
-        for span, dispute in list(self.disputes.items()):
-            if dispute.position >= position:
-                del self.disputes[span]  # the positions in dispute are gone: checked afresh
         for boundary, owners in list(self.owners.items()):
             self.owners[boundary] = [(peer, min(until, position)) for peer, until in owners if min(until, position)]
 
@@ -333,7 +290,6 @@ class Verifier:
             cut = min(shadow.cut, length)
             self._keep(shadow, [out[:, :cut - start] for out in outs], start)
             shadow.verified = cut
-            self._cleared(span, shadow)
             return
         await self._settle(span, shadow, start, first, x, want, outs, mask, float(far[first - start]))
 
@@ -386,28 +342,16 @@ class Verifier:
             logger.warning("peer %s returned wrong outputs while checking blocks %s of peer %s: other checkers "
                            "next", describe_peer(verdict.liar), span, describe_peer(primary))
         elif verdict.other is not None:
-            logger.warning("peers %s and %s disagree about blocks %s from position %d, and no third peer can "
-                           "tell which is right", describe_peer(primary), describe_peer(verdict.other),
-                           verdict.span, first)
-            self.disputes[span] = Dispute(shadow.primary, verdict.other, first)
+            logger.warning("peers %s and %s disagree about blocks %s from position %d, and nothing here can tell "
+                           "which is right: other checkers next, else the hop is unchecked", describe_peer(primary),
+                           describe_peer(verdict.other), verdict.span, first)
         else:
-            logger.info("blocks %s: the difference at position %d is rounding (every piece agrees)", span, first)
+            logger.info("blocks %s: the difference at position %d is rounding (%s)", span, first, verdict.evidence)
 
     def _found(self, lie: Lie) -> None:
         """Keep the earliest lie found (the session rolls back to it; later ones are found again after it)."""
         if self.lie is None or lie.position < self.lie.position:
             self.lie = lie
-
-    def _cleared(self, span: Span, shadow: Shadow) -> None:
-        """A check agreed: a dispute about the hop up to there is settled against its accuser, whom another
-        chain of peers contradicted."""
-        dispute = self.disputes.get(span)
-        if dispute is not None and dispute.primary == shadow.primary and shadow.verified > dispute.position:
-            del self.disputes[span]
-            logger.warning("peer %s's dispute with peer %s about blocks %s was settled by peers %s: it lied",
-                           describe_peer(dispute.checker), describe_peer(dispute.primary), span,
-                           ", ".join(describe_peer(p) for p in sorted(shadow.peers)))
-            self.client.failures.convict(dispute.checker)
 
     def _keep(self, shadow: Shadow, outs: list[torch.Tensor], start: int) -> None:
         for i, out in enumerate(outs[:len(shadow.outputs)]):  # the last checker's: the hop's own
