@@ -18,6 +18,8 @@ Modes:
   perturbed by 5% noise from SEED, default 0): a consistent liar, the same in sessions, pushes and forwards of
   any span, that only a computation of the true weights can expose. Two of them with one seed agree with each
   other (colluding).
+- `forgetful`: answers `unknown_session` to every second step of a session, however busy (as if it had
+  reclaimed it), so that a client that took it at its word would reopen and replay the whole history each time.
 - `zeros`, `constant`, `nan`: every step's and every stateless forward's output is all zeros, has each row
   constant (at the row's honest RMS, so norms look right and only the spread is gone), or is all NaN: in
   its replies and its pushes alike.
@@ -35,12 +37,13 @@ from pathlib import Path
 import torch
 
 from peer import capacity, servicer
+from swarm import errors
 from swarm.model import blocks
 from swarm import cli
 from swarm.net import messages
 
-MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "zeros", "constant",
-         "nan")
+MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "forgetful", "zeros",
+         "constant", "nan")
 DEGENERATE = {
     "zeros": torch.zeros_like,
     "constant": lambda x: (x.pow(2).mean(-1, keepdim=True).sqrt()).expand_as(x).contiguous(),
@@ -151,6 +154,19 @@ def _other_weights(seed: float = 0) -> None:
     blocks.SpanBlocks.__init__ = perturbed
 
 
+def _forgetful() -> None:
+    original = servicer.Servicer._step
+    steps: dict[int, int] = {}
+
+    async def step(self, session, msg):
+        steps[id(session)] = steps.get(id(session), 0) + 1
+        if steps[id(session)] % 2 == 0:
+            raise errors.UnknownSession("no such session here")
+        return await original(self, session, msg)
+
+    servicer.Servicer._step = step
+
+
 def _degenerate(mode: str) -> None:
     alter = DEGENERATE[mode]
 
@@ -181,6 +197,6 @@ if __name__ == "__main__":
         _degenerate(name)
     else:
         {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy, "liar": _liar,
-         "self-contradicting": _self_contradicting, "other-weights": _other_weights}[name](
+         "self-contradicting": _self_contradicting, "other-weights": _other_weights, "forgetful": _forgetful}[name](
             *map(float, filter(None, [arg])))
     sys.exit(cli.main(argv))

@@ -17,6 +17,16 @@ from swarm.errors import BadRequest, WrongOutput
 from swarm.net.transport import describe_peer
 
 IDLE_REOPEN_S = 30.0  # a link silent this long may find its stream dropped by the peer: reopen it there first
+RECLAIMABLE_S = 5.0  # a peer may reclaim a session silent this long for another (peers' --reclaim-idle default)
+
+
+def reclaimed(reason: str, idle_s: float) -> bool:
+    """Whether a failure after `idle_s` seconds of silence is the peer ending a session we left idle rather than
+    a fault: the session unknown after `RECLAIMABLE_S`, or the stream gone after `IDLE_REOPEN_S`. A session
+    a peer forgets sooner is its fault: answering `unknown_session` to a busy session would otherwise force a
+    replay of its whole history each time, for free."""
+    return (reason == "unknown_session" and idle_s >= RECLAIMABLE_S) or \
+        (reason == "connection_lost" and idle_s >= IDLE_REOPEN_S)
 MAX_GROWTH = 1e5  # a span's output vector is at most this many times its input's norm (plus 1); real blocks grow
 # activations by up to a few thousand times (the massive activations of a sequence's first positions)
 MAX_SHRINK = 1e-3  # a span's output spread (below the model's floor) is at least this fraction of its input's

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from collections import Counter
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from client.inference.encodings import REPLAY_ENCODING, Encodings
-from client.inference.hops import IDLE_REOPEN_S, Inputs, Link, SlowDetector, check_plausible
+from client.inference.hops import Inputs, Link, SlowDetector, check_plausible, reclaimed
 from client.inference.routing import Hop, slower_than_assumed, worth_switching
 from client.inference.swarm_client import SwarmClient
 from swarm.errors import NoRoute, SwarmError
@@ -182,8 +183,8 @@ class Route:
             return False
         # idle until the step that failed was sent; a link left idle while the session waited for blocks may
         # have outlived the peer's idle timeout too
-        long_idle = link.used_at - link.used_before > IDLE_REOPEN_S or link.used_before <= waited_at
-        return reason == "unknown_session" or (reason == "connection_lost" and long_idle)
+        idle_s = math.inf if link.used_before <= waited_at else link.used_at - link.used_before
+        return reclaimed(reason, idle_s)
 
     async def open_fresh(self, position: int) -> dict[int, BaseException]:
         """Open the sessions of every link that has none, all at once (a step at position 0 replays nothing),

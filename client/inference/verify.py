@@ -46,7 +46,7 @@ import torch
 from client.inference.arbiter import Verdict, distances, settle
 from client.inference.encodings import REPLAY_ENCODING
 from client.inference.failures import reason_of
-from client.inference.hops import IDLE_REOPEN_S, Inputs
+from client.inference.hops import Inputs, reclaimed
 from client.inference.peer_session import PeerSession
 from client.inference.routing import Hop
 from swarm.errors import SwarmError, Unchecked
@@ -239,7 +239,7 @@ class Verifier:
     async def _through(self, shadow: Shadow, x: torch.Tensor, start: int,
                        mask: torch.Tensor | None) -> list[torch.Tensor]:
         """`x` (positions from `start`) through the shadow's chain: each checker's output. A checker that fails
-        is banned (`CheckerFailed`), unless it had only reclaimed the session we left idle there (`_reclaimed`)."""
+        is banned (`CheckerFailed`), unless it had only reclaimed the session we left idle there (`hops.reclaimed`)."""
         outs = []
         for i, hop in enumerate(shadow.hops):
             try:
@@ -253,7 +253,7 @@ class Verifier:
                 # the checker failed, not the hop: other checkers next time
                 logger.info("checking blocks %s at peer %s failed (%s)", hop.span, describe_peer(hop.peer),
                             reason_of(e))
-                if not _reclaimed(reason_of(e), time.monotonic() - shadow.used_at):
+                if not reclaimed(reason_of(e), time.monotonic() - shadow.used_at):
                     self.client.ban(hop.peer, reason_of(e))
                 raise CheckerFailed from None
             outs.append(x)
@@ -359,17 +359,6 @@ class Verifier:
                 shadow.outputs[i] = Inputs(out, self.max_length)
             else:
                 shadow.outputs[i].append(out)
-
-
-def _reclaimed(reason: str, idle_s: float) -> bool:
-    """Whether a checker's failure is its peer ending a session we left idle (a kept one: `client.api.reuse`)
-    rather than a fault: the session was unknown after `RECLAIMABLE_S`, or the stream gone after
-    `IDLE_REOPEN_S`, as a session's own link is judged (`Route.expired`)."""
-    return (reason == "unknown_session" and idle_s >= RECLAIMABLE_S) or \
-        (reason == "connection_lost" and idle_s >= IDLE_REOPEN_S)
-
-
-RECLAIMABLE_S = 5.0  # a peer may reclaim a session silent this long for another (peers' --reclaim-idle default)
 
 
 class CheckerFailed(Exception):

@@ -1,6 +1,6 @@
 """Honest clients in a swarm with a dishonest peer, for real on 127.0.0.1: a peer that alters what it pushes
-to the next hop of a chained route, one that returns wrong outputs (and claims to be very fast), and one that
-takes session streams and never answers. In each case the client gets the same tokens and logits as
+to the next hop of a chained route, one that returns wrong outputs (and claims to be very fast), one that
+takes session streams and never answers, and one that says it forgot busy sessions. In each case the client gets the same tokens and logits as
 transformers locally, and the culprit is banned. The dishonest peers are test helpers (`tests/adversary.py`),
 not options of the real peer."""
 
@@ -21,8 +21,8 @@ DECODE = 6
 
 @pytest.fixture(scope="module")
 def trust_swarm(tmp_path_factory, tiny_llama):
-    """[0:3) four times: honest, altering its pushes, lying about its outputs, and a black hole; [3:6) once,
-    honest."""
+    """[0:3) five times: honest, altering its pushes, lying about its outputs, a black hole, and one that forgets
+    sessions; [3:6) once, honest."""
     net = LocalSwarm(tmp_path_factory.mktemp("trust-swarm"))
     try:
         net.start_bootstrap()
@@ -30,6 +30,7 @@ def trust_swarm(tmp_path_factory, tiny_llama):
         net.start_peer("tamper", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("tamper-push"))
         net.start_peer("hole", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("blackhole"))
         net.start_peer("noisy", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("noisy"))
+        net.start_peer("forgetful", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("forgetful"))
         net.start_peer("tail", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS)
         yield net
     finally:
@@ -43,7 +44,7 @@ def only_through(model: DistributedModelForCausalLM, net: LocalSwarm, first: str
     `first` fails waits for it, bounded."""
     client = model.connection.client
     model.connection.run(client.refresh(force=True))
-    for name in ("honest", "tamper", "hole", "noisy"):
+    for name in ("honest", "tamper", "hole", "noisy", "forgetful"):
         if name not in (first, fallback):
             client.ban(net.procs[name].peer_id, "test", 600.0)
     if fallback_ban:
@@ -90,6 +91,21 @@ def test_a_black_hole_costs_one_open_deadline_and_is_banned(trust_swarm, tiny_ll
     assert_local(got, local)
     assert [(f.failed_peer, f.reason) for f in failovers] == [(hole, "timeout")]
     assert deadline < model.connection.client.config.open_timeout  # measured by its ping: not the full timeout
+
+
+def test_a_peer_forgetting_busy_sessions_is_banned_not_replayed_again_and_again(trust_swarm, tiny_llama, local):
+    """A session a peer says it forgot while it was busy is that peer's failure: rerouted once, not reopened and
+    replayed at every other step."""
+    with DistributedModelForCausalLM.from_pretrained(tiny_llama, trust_swarm.bootstrap_addrs,
+                                                     model_id=MODEL_ID) as model:
+        only_through(model, trust_swarm, "forgetful", "honest", fallback_ban=0)
+        client = model.connection.client
+        forgetful = trust_swarm.procs["forgetful"].peer_id
+        client.measurements.step(forgetful, rtt_ms=0.1, compute_ms=0.1, tokens=1, blocks=3)  # the route's choice
+        got, failovers, _ = greedy_logits(model)
+        assert client.bans.reasons[forgetful] == "unknown_session"
+    assert_local(got, local)
+    assert [(f.failed_peer, f.reason) for f in failovers] == [(forgetful, "unknown_session")]
 
 
 class Seen:
