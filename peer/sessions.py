@@ -13,7 +13,10 @@ Invariants:
   sessions a gateway keeps for the next turn, among them), from the client holding the most, its longest idle
   first; then sessions of a client holding more than its share while the requester, once served, holds no more
   than its own. A session frees what no other session holds. Holdings count cache tokens when the cache is
-  short, sessions when the slots are short; a client's share is `share` of the budget (of `max_sessions`).
+  short, sessions when the slots are short; a client's share is `share` of the budget (of `max_sessions`), or an
+  equal part of it among the clients holding something here, the requester counted, if that is less (so k
+  identities that took every slot between them lose their excess to a newcomer: to refuse one, the slots must
+  be held by as many identities as there are slots, or `1 / share` identities at their share each).
   Nothing is reclaimed unless that makes the request fit; otherwise it fails with `OutOfCache` (cache) or `Busy`
   (slots). So a client may take what is free, but keeps no more than its share while another client within its
   share needs room, and a growing session never loses itself.
@@ -186,7 +189,7 @@ class SessionTable:
             return
         held = self.held()
         free = [self.tokens_left, self.max_sessions - len(self.sessions)]
-        want, shares = (tokens, slots), (self.token_share, self.session_share)
+        want, shares = (tokens, slots), self.shares(held, client)
         left = [s for s in self.sessions.values() if s is not keep]
         victims = []
         while free[0] < tokens or free[1] < slots:
@@ -195,7 +198,7 @@ class SessionTable:
             pick = max((s for s in left if self._reclaimable(s, client, by, shares[short], want[short], now)),
                        key=lambda s: (self._idle(s, now), by[s.client], s.idle_for(now)), default=None)
             if pick is None:
-                raise self._refusal(short, client, tokens)
+                raise self._refusal(short, client, tokens, shares[short])
             victims.append(pick)
             left.remove(pick)
             freed = pick.exclusive()
@@ -208,30 +211,37 @@ class SessionTable:
             self.close(s.id, f"was reclaimed for another session when this peer was full (it was idle "
                              f"{s.idle_for(now):.1f} s)")
 
+    def shares(self, held: tuple[Counter, Counter], client: str | None) -> tuple[int, int]:
+        """One client's fair share of the cache tokens and of the slots now (module docstring)."""
+        parts = len({c for c, n in held[1].items() if n > 0} | {client})
+        return (min(self.token_share, self.cache_tokens // parts),
+                min(self.session_share, max(1, self.max_sessions // parts)))
+
     def _idle(self, s: ServedSession, now: float) -> bool:
         return s.idle_for(now) >= self.reclaim_idle
 
     def _reclaimable(self, s: ServedSession, client: str | None, held: Counter, share: int, need: int, now: float) -> bool:
         return self._idle(s, now) or (s.client != client and held[s.client] > share and held[client] + need <= share)
 
-    def _refusal(self, short: int, client: str, tokens: int) -> Exception:
+    def _refusal(self, short: int, client: str, tokens: int, share: int | None = None) -> Exception:
         held = self.held()
+        share = self.shares(held, client)[short] if share is None else share
         if short == 1:
             return Busy(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}, and none can be "
-                        f"reclaimed (this client holds {held[1][client]}, its share is {self.session_share}); "
-                        "try another peer")
+                        f"reclaimed (this client holds {held[1][client]}, its share is {share}); try another peer")
         return OutOfCache(f"{tokens} more cache tokens needed, {self.tokens_left} of {self.cache_tokens} are free "
-                          f"and none can be reclaimed (this client holds {held[0][client]}, its share is "
-                          f"{self.token_share}); try another peer")
+                          f"and none can be reclaimed (this client holds {held[0][client]}, its share is {share}); "
+                          "try another peer")
 
     def available(self, client: str | None, now: float) -> int:
         """Cache tokens `client` (None: one holding nothing here) could take now, an estimate for routing: what
         is free or idle, or up to its share where reclaiming from clients over theirs would make room."""
-        tokens, _ = self.held()
+        held = self.held()
+        tokens, share = held[0], self.shares(held, client)[0]
         free = self.tokens_left + sum(s.exclusive() for s in self.sessions.values() if self._idle(s, now))
         forced = sum(s.exclusive() for s in self.sessions.values() if not self._idle(s, now)
-                     and self._reclaimable(s, client, tokens, self.token_share, GROW_TOKENS, now))
-        return max(free, min(self.token_share - tokens[client], free + forced))
+                     and self._reclaimable(s, client, tokens, share, GROW_TOKENS, now))
+        return max(free, min(share - tokens[client], free + forced))
 
     def get(self, sid: str, client: str | None = None) -> ServedSession:
         """The open session `sid`; with `client`, only if that client opened it: another client's session is

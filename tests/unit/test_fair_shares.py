@@ -35,6 +35,28 @@ def filled(t: SessionTable, client: str, length: int, now: float, batch: int = 1
     return s
 
 
+# ---- identities that cost nothing ----
+
+def test_identities_that_took_every_slot_at_their_share_lose_their_excess_to_a_newcomer():
+    """4 identities hold all 64 slots (16 each, their 25% share) and keep them busy: a newcomer still opens one, by
+    reclaiming a session of one of them; to refuse it, as many identities as slots must hold one each."""
+    t = table(cache_tokens=64 * 1024, max_sessions=64)
+    sybils = [f"sybil{i}" for i in range(4)]
+    for sybil in sybils:
+        for _ in range(16):
+            t.open(SPAN, 1, 64, ENC, 0.0, sybil)
+    with pytest.raises(Busy):  # one of them opening a 17th: over its share
+        t.open(SPAN, 1, 64, ENC, 0.0, sybils[0])
+    mine = t.open(SPAN, 1, 64, ENC, 1.0, HONEST)
+    _, count = t.held()
+    assert mine.id in t.sessions and count[HONEST] == 1 and sorted(count[s] for s in sybils) == [15, 16, 16, 16]
+    crowd = table(cache_tokens=8 * 1024, max_sessions=8)
+    for i in range(8):
+        crowd.open(SPAN, 1, 64, ENC, 0.0, f"sybil{i}")
+    with pytest.raises(Busy, match="its share is 1"):
+        crowd.open(SPAN, 1, 64, ENC, 1.0, HONEST)
+
+
 # ---- committed as used ----
 
 def test_a_long_max_length_with_a_short_prompt_holds_a_chunk():
