@@ -15,6 +15,10 @@ Attacks:
 - `self-contradicting`: one liar serving [0:30), honest on parts, the same lie on its sessions and whole span.
 - `framers-2`, `framers-5`: 2 or 5 identities with the same wrong weights, serving [0:30): the only checkers of
   the honest pieces, agreeing with each other against every honest hop.
+- `stall-1`, `stall-10`: 1 or 10 identities serving [0:30) that claim 1e9 tokens/s, answer pings, open sessions
+  and never answer a step; the client routes as it would (their claims are the attack).
+- `slots-4`: 4 identities (in this process) each open 16 sessions at each honest peer (all 64 slots, each at its
+  25% share) and step every one of them every 3 s, so none is idle; then the honest clients generate.
 
     python benchmarks/red_team.py [--attacks ...] [--generations 10] [--tokens 16]
 
@@ -24,6 +28,7 @@ Writes its table into docs/benchmarks.md between its markers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -46,7 +51,7 @@ from swarm.local.launch import LocalSwarm  # noqa: E402
 from swarm.weights.models import local_model_id  # noqa: E402
 
 HONEST = {"front": "0:15", "back": "15:30"}
-# attack -> (liars' program, how many, their blocks, whether the route goes through them)
+# attack -> (liars' program, how many, their blocks, whether the route goes through them: None, as it would)
 ATTACKS = {
     "none": ("", 0, "", False),
     "noise": ("liar", 1, "15:30", True),
@@ -54,7 +59,11 @@ ATTACKS = {
     "self-contradicting": ("self-contradicting", 1, "0:30", True),
     "framers-2": ("other-weights:1", 2, "0:30", False),
     "framers-5": ("other-weights:1", 5, "0:30", False),
+    "stall-1": ("stall", 1, "0:30", None),
+    "stall-10": ("stall", 10, "0:30", None),
+    "slots-4": ("", 0, "", None),
 }
+SLOT_HOLDERS, SLOTS_EACH, STEP_EVERY_S = 4, 16, 3.0
 
 
 def swarm(net: LocalSwarm, path: Path, attack: str) -> tuple[list[str], list[str]]:
@@ -74,15 +83,18 @@ def swarm(net: LocalSwarm, path: Path, attack: str) -> tuple[list[str], list[str
 def run(path: Path, attack: str, ids: torch.Tensor, want: list[int], args) -> dict:
     through = ATTACKS[attack][3]
     row = {"right": 0, "wrong": 0, "failed": 0, "framed": 0, "convicted": 0, "referee": 0, "times": [], "errors": []}
-    with tempfile.TemporaryDirectory(prefix="swarm-redteam-") as root, LocalSwarm(Path(root)) as net:
+    with tempfile.TemporaryDirectory(prefix="swarm-redteam-") as root, LocalSwarm(Path(root)) as net, \
+            contextlib.ExitStack() as stack:
         honest, liars = swarm(net, path, attack)
+        if attack == "slots-4":
+            stack.enter_context(slot_holders(net, path, honest))
         for trial in range(args.generations):
             with client(net, path, route_seed=trial) as model:
                 swarm_client = model.connection.client
                 model.connection.run(swarm_client.refresh(force=True))
                 if through:
                     looks_fast(model, liars[0], honest)
-                else:
+                elif through is not None:
                     looks_fast(model, honest[0], liars)
                     looks_fast(model, honest[1], [])
                 started = time.perf_counter()
@@ -101,6 +113,61 @@ def run(path: Path, attack: str, ids: torch.Tensor, want: list[int], args) -> di
         log(f"{attack}: {row['right']} right, {row['wrong']} wrong, {row['failed']} failed, {row['framed']} framed, "
             f"median {statistics.median(row['times']):.1f} s; errors {row['errors'][:2]}")
     return row
+
+
+@contextlib.contextmanager
+def slot_holders(net: LocalSwarm, path: Path, peers: list[str]):
+    """`SLOT_HOLDERS` identities holding `SLOTS_EACH` sessions at each of `peers`, each stepped every
+    `STEP_EVERY_S` seconds, for the block."""
+    import asyncio
+
+    from client.inference.peer_session import PeerSession
+    from client.loop import LoopThread
+    from swarm.net.calls import info
+    from swarm.net.identity import Identity
+    from swarm.net.transport import Node
+    from swarm.span import Span
+
+    async def hold(node, stop: asyncio.Event) -> int:
+        sessions = []
+        for peer in peers:
+            about = await info(node, peer)
+            for _ in range(SLOTS_EACH):
+                session = await PeerSession.open(node, peer, local_model_id(path), Span(about.start, about.end),
+                                                 max_length=256)
+                sessions.append([session, about.hidden_size, 0])
+        steps = 0
+        while not stop.is_set():
+            for entry in list(sessions):
+                session, hidden, length = entry
+                try:
+                    await session.step(torch.randn(1, 1, hidden), length)
+                    entry[2] += 1
+                    steps += 1
+                except SwarmError:  # reclaimed for another client: open it again, as a holder would
+                    sessions.remove(entry)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), STEP_EVERY_S)
+        await asyncio.gather(*(s[0].close() for s in sessions), return_exceptions=True)
+        return steps
+
+    with LoopThread() as loop:
+        nodes = [Node(Identity.generate(), initial_peers=net.bootstrap_addrs, client_mode=True)
+                 for _ in range(SLOT_HOLDERS)]
+        for node in nodes:
+            loop.run(node.__aenter__(), timeout=60)
+        stop = asyncio.Event()
+        tasks = [asyncio.run_coroutine_threadsafe(hold(node, stop), loop.loop) for node in nodes]
+        time.sleep(10)  # every session open and stepped once
+        log(f"slot holders: {SLOT_HOLDERS} x {SLOTS_EACH} sessions at each of {len(peers)} peers")
+        try:
+            yield
+        finally:
+            loop.loop.call_soon_threadsafe(stop.set)
+            steps = [t.result(120) for t in tasks]
+            log(f"slot holders stepped {sum(steps)} times")
+            for node in nodes:
+                loop.run(node.__aexit__(None, None, None), timeout=30)
 
 
 def honest_tokens(path: Path, ids: torch.Tensor, count: int) -> list[int]:

@@ -61,6 +61,9 @@ class ClientConfig:
     verify_fraction: float = option(0.1, metavar="P", help="after each step, each hop is checked against another "
                                     "replica of its blocks with this probability (everything since its last check "
                                     "is compared; 0: no checks); users see only checked output")
+    remember_stalls: bool = option(True, help="remember peers that stalled (missed a deadline before they ever "
+                                   "answered a step) for this machine's later clients, for 10 minutes "
+                                   "(--no-remember-stalls: in this client only)")
     require_checked: bool = option(False, help="refuse to compute through blocks whose outputs no other peer can "
                                    "check (a sole server) with an error, instead of warning that the output is "
                                    "unchecked")

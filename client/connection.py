@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from client.config import ClientConfig
 from client.loop import LoopThread
+from client.inference.stalls import StallMemory
 from client.inference.swarm_client import SwarmClient
 from swarm.errors import ConfigError
 from swarm.net.identity import Identity
@@ -74,7 +75,7 @@ async def joined(model_id: str, num_blocks: int, config: ClientConfig, *, settle
     hidden states whose spread is under `floor`, `hops.output_floor`) over a fresh client-mode node
     (`joined_node`), for the block."""
     async with joined_node(config, settle=settle) as node:
-        yield SwarmClient(node, model_id, num_blocks, config, digest, floor)
+        yield SwarmClient(node, model_id, num_blocks, config, digest, floor, stalls=StallMemory.of(config))
 
 
 class SwarmConnection:

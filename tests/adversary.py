@@ -18,6 +18,7 @@ Modes:
   perturbed by 5% noise from SEED, default 0): a consistent liar, the same in sessions, pushes and forwards of
   any span, that only a computation of the true weights can expose. Two of them with one seed agree with each
   other (colluding).
+- `stall`: answers pings and opens sessions, never answers a step, and claims 1e9 tokens/s.
 - `forgetful`: answers `unknown_session` to every second step of a session, however busy (as if it had
   reclaimed it), so that a client that took it at its word would reopen and replay the whole history each time.
 - `zeros`, `constant`, `nan`: every step's and every stateless forward's output is all zeros, has each row
@@ -42,7 +43,7 @@ from swarm.model import blocks
 from swarm import cli
 from swarm.net import messages
 
-MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "forgetful", "zeros",
+MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "forgetful", "stall", "zeros",
          "constant", "nan")
 DEGENERATE = {
     "zeros": torch.zeros_like,
@@ -154,6 +155,14 @@ def _other_weights(seed: float = 0) -> None:
     blocks.SpanBlocks.__init__ = perturbed
 
 
+def _stall() -> None:
+    async def step(self, session, msg):
+        await asyncio.sleep(3600)
+
+    servicer.Servicer._step = step
+    capacity.Capacity.throughput = lambda self, blocks: 1e9
+
+
 def _forgetful() -> None:
     original = servicer.Servicer._step
     steps: dict[int, int] = {}
@@ -197,6 +206,7 @@ if __name__ == "__main__":
         _degenerate(name)
     else:
         {"tamper-push": _tamper_push, "blackhole": _blackhole, "noisy": _noisy, "liar": _liar,
-         "self-contradicting": _self_contradicting, "other-weights": _other_weights, "forgetful": _forgetful}[name](
+         "self-contradicting": _self_contradicting, "other-weights": _other_weights, "forgetful": _forgetful,
+         "stall": _stall}[name](
             *map(float, filter(None, [arg])))
     sys.exit(cli.main(argv))

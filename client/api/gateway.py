@@ -59,6 +59,7 @@ from client.generation import Generation
 from client.head_queue import HeadQueue
 from client.sampling import Sampling
 from client.connection import joined_node, require_peers
+from client.inference.stalls import StallMemory
 from client.inference.swarm_client import SwarmClient
 from swarm import http, metrics
 from swarm.errors import ConfigError, SwarmError
@@ -436,7 +437,8 @@ async def serve(config: ApiConfig, client_config: ClientConfig, models: list, st
                     loaded[-1].context_length)
     async with joined_node(client_config) as node:
         served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config, m.digest,
-                                                         floor=m.floor, referee=m.referee))
+                                                         floor=m.floor, referee=m.referee,
+                                                         stalls=StallMemory.of(client_config)))
                   for m in loaded]
         gateway = Gateway(config, served)
         try:

@@ -211,6 +211,13 @@ class Bans:
         self.reasons[peer] = reason
         return seconds
 
+    def avoid(self, peer: str, reason: str, seconds: float) -> None:
+        """Ban `peer` for `seconds` as a failure, not a lie: a success, or a ping when nothing else serves its
+        blocks, lifts it."""
+        self.failures[peer] = self.failures.get(peer, 0) + 1
+        self.until[peer] = max(self.until.get(peer, -math.inf), self.clock() + seconds)
+        self.reasons[peer] = reason
+
     def banned(self, peer: str) -> bool:
         return self.until.get(peer, -math.inf) > self.clock()
 

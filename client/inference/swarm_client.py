@@ -29,6 +29,7 @@ from client.inference import hops, peer_session
 from client.config import ClientConfig
 from client.inference.encodings import Encodings, choose_encodings
 from client.inference.failures import FailurePolicy, caught_lying, reason_of
+from client.inference.stalls import STALL_S, StallMemory
 from client.inference.routing import (Bans, BlockWait, Hop, Measurements, Offer, block_cost_ms, eligible, find_route,
                             hop_cost_ms, ranges_text, route_cost_ms)
 from swarm.net import discovery, view
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PINGS = 32  # peers pinged at once at most: per refresh, per round of `route`, per second chance
 PING_ROUNDS = 3  # rounds of pings a route may take to replace unproven peers by peers that answered
-SECOND_CHANCE = ("timeout", "connection_lost")  # bans lifted by a successful ping when there is no other route
+SECOND_CHANCE = ("timeout", "connection_lost", "stalled")  # bans lifted by a successful ping when there is no other route
 
 
 @dataclass(frozen=True)
@@ -72,17 +73,21 @@ class PeerState:
 
 class SwarmClient:
     def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
-                 floor: float | None = None, referee=None):
+                 floor: float | None = None, referee=None, stalls: StallMemory | None = None):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
         # the client's own computation of single blocks (`client.inference.referee.Referee`), settling disputes
         # between two peers; None: a client with no checkpoint at hand (disputes then stay open)
         self.referee = referee
+        # peers that stalled a client of this machine (`client.inference.stalls`); None: remembered in this client only
+        self.stalls = stalls
         # the spread under which a hidden vector is degenerate (`hops.implausible`; None: without the model's config)
         self.floor = hops.output_floor() if floor is None else floor
         self.digest = digest  # the weights of this client's head: routes only through peers with the same
         self.measurements = Measurements()
         self.bans = Bans(base=config.ban_seconds)
         self.failures = FailurePolicy(self.ban, config.max_retries)
+        for peer, left in (self.stalls.load() if self.stalls is not None else {}).items():
+            self.bans.avoid(peer, "stalled", left)
         self.offers: dict[str, Offer] = {}
         self.states: dict[str, PeerState] = {}
         self.own_load: Counter[str] = Counter()  # hops of this client's sessions at each peer
@@ -129,7 +134,7 @@ class SwarmClient:
             await asyncio.wait_for(peer_session.info(self.node, peer, timeout=self.config.ping_timeout),
                                    self.config.ping_timeout)
         except (asyncio.TimeoutError, SwarmError) as e:
-            self.ban(peer, reason_of(e))
+            self.bans.ban(peer, reason_of(e))  # the usual backoff: a ping is no work refused
             return None
         rtt = (time.perf_counter() - started) * 1e3
         self.measurements.ping(peer, rtt)
@@ -139,9 +144,17 @@ class SwarmClient:
         return list(await asyncio.gather(*(self.ping(p) for p in peers)))
 
     def ban(self, peer: str, reason: str, seconds: float | None = None) -> None:
-        """Avoid `peer` for the usual backoff, or for `seconds`."""
+        """Avoid `peer` for the usual backoff, or for `seconds`. A peer that missed a deadline before it ever
+        completed a step for this client has *stalled*: avoided for `stalls.STALL_S`, by this machine's later
+        clients too (`client.inference.stalls`)."""
         again = self.bans.banned(peer)  # e.g. a second-chance ping failing each second of a wait: said once
-        seconds = self.bans.ban(peer, reason, seconds)
+        if reason == "timeout" and seconds is None and peer not in self.failures.proven:
+            reason, seconds = "stalled", STALL_S
+            self.bans.avoid(peer, reason, seconds)
+            if self.stalls is not None:
+                self.stalls.remember(peer, seconds)
+        else:
+            seconds = self.bans.ban(peer, reason, seconds)
         logger.log(logging.DEBUG if again else logging.INFO, "peer %s failed (%s): avoided for %.0f s",
                    describe_peer(peer), reason, seconds)
 
