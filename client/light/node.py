@@ -31,6 +31,7 @@ import random
 import threading
 from collections.abc import Sequence
 
+from client.light.addresses import AddressBook
 from swarm.net import record_service
 from swarm.errors import ConfigError, ConnectionLost, SwarmError, SwarmUnreachable
 from swarm.net.transport import Stream
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 READ_BYTES = 1 << 16
 STREAM_LIMIT = 1 << 30  # the asyncio reader's buffer limit: wire.read_message enforces the real caps
+# bytes read from a stream and not yet taken by its reader, at most: past this the stream is not read (the
+# sender is held back by the transport's flow control), so a peer cannot fill the client's memory on a stream
+# it is not asked to answer; a stream left full this long is ended
+MAX_BUFFERED = 4 * 2**20 + READ_BYTES
+FULL_S = 60.0
 CONNECT_TIMEOUT = 10.0
 MAX_SOURCES_KNOWN = 64
 
@@ -100,9 +106,7 @@ class LightNode:
             raise ConfigError("no initial peers: give the multiaddr of the swarm's bootstrap node or of any peer")
         self.initial = [split_maddr(m) for m in initial_peers]
         self.records_timeout = records_timeout
-        self.addrs: dict[str, list[str]] = {}
-        for addr, peer in self.initial:
-            self.addrs.setdefault(peer, []).append(addr)
+        self.addrs = AddressBook(self.initial)  # where each peer is, on trial (`client.light.addresses`)
         self.sources: list[str] = list(dict.fromkeys(peer for _, peer in self.initial))  # initial peers first
         self.peer_id = ""
         self.refused = 0  # records that failed their checks, over every read
@@ -186,10 +190,12 @@ class LightNode:
     # ---- connections and streams ----
 
     async def _connect(self, peer: str) -> None:
-        """A connection to `peer` through one of the addresses known for it (tried in order)."""
+        """A connection to `peer` through one of the addresses known for it (tried in order; one that fails is
+        dropped, one that connects goes first). Callers that come while a connect is under way wait for it; if
+        its caller is cancelled, they get `ConnectionLost` (and may try again), never a wait without end."""
         if peer in self._connecting:
             return await asyncio.shield(self._connecting[peer])
-        addrs = list(self.addrs.get(peer, []))
+        addrs = self.addrs.get(peer)
         if not addrs:
             raise ConnectionLost(f"no address known for peer …{peer[-8:]}")
         fut = self._connecting[peer] = self._loop.create_future()
@@ -198,9 +204,11 @@ class LightNode:
             for addr in addrs:
                 try:
                     await asyncio.wait_for(self.call(_dial, self._host, f"{addr}/p2p/{peer}"), CONNECT_TIMEOUT)
+                    self.addrs.connected(peer, addr)
                     fut.set_result(None)
                     return
                 except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - libp2p's own error types
+                    self.addrs.failed(peer, addr)
                     errors.append(f"{addr}: {type(e).__name__}: {e}"[:200])
             error = ConnectionLost(f"cannot connect to peer …{peer[-8:]}: {'; '.join(errors)}")
             fut.set_exception(error)
@@ -208,6 +216,9 @@ class LightNode:
             raise error
         finally:
             self._connecting.pop(peer, None)
+            if not fut.done():  # its caller was cancelled: whoever waits on it tries again
+                fut.set_exception(ConnectionLost(f"connecting to peer …{peer[-8:]} was cancelled; try again"))
+                fut.exception()
 
     async def open(self, peer: str, protocol: str) -> Stream:
         """A new stream to `peer`; `ConnectionLost` if the peer cannot be reached or refuses the protocol."""
@@ -249,8 +260,7 @@ class LightNode:
         random.shuffle(learned)
         found = await record_service.read(self, initial + learned, list(keys), self.records_timeout)
         for peer, addrs in found.addrs.items():
-            known = self.addrs.setdefault(peer, [])
-            known += [a for a in addrs if a not in known][:max(0, 4 - len(known))]
+            self.addrs.heard(peer, addrs)
         signers = {sub for subs in found.kept.values() for sub in subs}
         for peer in signers:
             if peer not in self.sources and len(self.sources) < MAX_SOURCES_KNOWN:
@@ -274,16 +284,29 @@ async def _new_stream(node: LightNode, peer: str, protocol: str, reader: asyncio
     async def pump():
         try:
             while True:
+                with trio.fail_after(FULL_S):  # trio.TooSlowError ends the stream below
+                    while buffered(reader) > MAX_BUFFERED:
+                        await trio.sleep(0.005)  # until the reader takes some
                 data = await stream.read(READ_BYTES)
                 if not data:
                     break
                 node._feed(reader, data)
+        except trio.TooSlowError:
+            logger.info("stream %s to …%s ended: %d bytes unread for %.0f s", protocol, peer[-8:], buffered(reader),
+                        FULL_S)
+            with contextlib.suppress(Exception):
+                await stream.reset()
         except Exception as e:  # noqa: BLE001 - end of stream, reset, closed: all end the reader
             logger.debug("stream %s to …%s ended: %r", protocol, peer[-8:], e)
         node._feed(reader, None)
 
     node._nursery.start_soon(pump)
     return stream, trio.Lock()
+
+
+def buffered(reader: asyncio.StreamReader) -> int:
+    """Bytes fed to `reader` and not read yet (its buffer's length: read from this thread, a snapshot is enough)."""
+    return len(reader._buffer)
 
 
 def _resolve(fut: asyncio.Future, value) -> None:
