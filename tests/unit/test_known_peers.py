@@ -1,5 +1,6 @@
-"""The file of peers met: only dialable addresses, the most recent peers first and at most 16 of them, a
-broken file ignored and replaced, and the file's place next to an identity."""
+"""The file of peers met: only dialable addresses, the longest-known peers first and at most 16 of them, newcomers
+only where there is room and two a round (a crowd of fresh identities cannot fill it), a broken file ignored and
+replaced, and the file's place next to an identity."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def peer(n: int) -> str:
     return IDS[n]
 
 
-def test_only_dialable_addresses_are_kept_most_recent_first(tmp_path):
+def test_only_dialable_addresses_are_kept_longest_known_first(tmp_path):
     known = KnownPeers(tmp_path / "k.json")
     assert known.load() == {} and known.join_addrs() == []
     known.remember({peer(1): ["/ip4/127.0.0.1/tcp/1", "/ip4/192.168.1.2/tcp/7", "/ip4/11.0.0.2/tcp/31337",
@@ -29,8 +30,8 @@ def test_only_dialable_addresses_are_kept_most_recent_first(tmp_path):
     known.remember({peer(4): ["/ip4/11.0.0.4/tcp/4/p2p/" + peer(4)]}, now=20.0)
     assert set(known.load()) == {peer(1), peer(4)}
     assert known.load()[peer(1)]["addrs"] == ["/ip4/11.0.0.2/tcp/31337", "/ip4/192.168.1.2/tcp/7"]  # global first
-    assert known.join_addrs() == [f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}", f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}",
-                                  f"/ip4/192.168.1.2/tcp/7/p2p/{peer(1)}"]
+    assert known.join_addrs() == [f"/ip4/11.0.0.2/tcp/31337/p2p/{peer(1)}", f"/ip4/192.168.1.2/tcp/7/p2p/{peer(1)}",
+                                  f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}"]
     assert known.join_addrs(exclude={peer(1)}) == [f"/ip4/11.0.0.4/tcp/4/p2p/{peer(4)}"]
 
 
@@ -46,12 +47,32 @@ def test_addresses_the_daemon_would_refuse_are_never_kept(tmp_path):
     assert known.join_addrs() == [f"/ip4/1.2.3.4/udp/5/quic-v1/p2p/{peer(2)}"]
 
 
-def test_at_most_sixteen_peers_the_oldest_dropped(tmp_path):
+def test_at_most_sixteen_peers_newcomers_only_where_there_is_room(tmp_path):
     known = KnownPeers(tmp_path / "k.json")
     for n in range(known_peers.MAX_PEERS + 5):
         known.remember({peer(n): [f"/ip4/11.0.0.{n + 2}/tcp/31337"]}, now=float(n))
     kept = known.load()
-    assert len(kept) == known_peers.MAX_PEERS and peer(0) not in kept and peer(known_peers.MAX_PEERS + 4) in kept
+    assert len(kept) == known_peers.MAX_PEERS and peer(0) in kept and peer(known_peers.MAX_PEERS) not in kept
+    others = {peer(n): [f"/ip4/11.0.0.{n + 2}/tcp/31337"] for n in range(1, known_peers.MAX_PEERS + 5)}
+    known.remember(others, now=100.0)  # all seen again but peer 0: still no room
+    assert peer(known_peers.MAX_PEERS) not in known.load()
+    known.remember(others, now=known_peers.STALE_S + 50.0)  # peer 0 not seen for long: its place goes to a newcomer
+    kept = known.load()
+    assert peer(0) not in kept and peer(known_peers.MAX_PEERS) in kept and len(kept) == known_peers.MAX_PEERS
+
+
+def test_a_crowd_of_fresh_identities_cannot_fill_the_file(tmp_path):
+    """Ten identities connect and say where they are, round after round: two enter a round while there is room,
+    and the peers known longest stay first in line at the next start."""
+    known = KnownPeers(tmp_path / "k.json")
+    known.remember({peer(n): [f"/ip4/11.0.0.{n + 2}/tcp/1"] for n in range(6)}, now=0.0)
+    known.remember({peer(n): [f"/ip4/11.0.0.{n + 2}/tcp/1"] for n in range(6)}, now=1.0)
+    known.remember({peer(n): [f"/ip4/11.0.0.{n + 2}/tcp/1"] for n in range(6)}, now=2.0)
+    assert len(known.load()) == 6
+    crowd = {peer(n): [f"/ip4/11.0.1.{n}/tcp/1"] for n in range(6, 16)}
+    assert known.remember(crowd, now=3.0) == 8
+    first = [reach.peer_of(a) for a in known.join_addrs()][:6]
+    assert first == [peer(n) for n in range(6)]
 
 
 def test_a_broken_file_is_ignored_and_replaced(tmp_path, caplog):
