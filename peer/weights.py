@@ -22,12 +22,20 @@ from swarm.weights.digest import local_hashes
 from swarm.weights.download import Progress
 from swarm.weights.hub import RepoFile
 from swarm.weights.models import Weights
-from swarm.weights.share import FileShare, fetch_file, find_holders
+from swarm.weights.share import MIN_FETCH_RATE, FileShare, fetch_file, find_holders
 
 logger = logging.getLogger(__name__)
 
 FETCH_LIMIT_S = 6 * 3600.0  # one file from peers at most (a slow holder is dropped long before: share.MIN_FETCH_RATE)
 HOLDERS_TIMEOUT_S = 5.0  # peers asked what they hold answer within this or count as holding nothing
+HUB_FRACTION = 0.25  # a holder sending slower than this share of the hub's speed is left for the hub
+
+
+def min_rate(hub_rate: float | None) -> float:
+    """The slowest a holder may send (bytes/s) before the file is asked of another holder or the hub: a share of
+    the hub's measured speed, so that a peer sending at a trickle cannot hold a joiner for hours (it may take at
+    most 1 / `HUB_FRACTION` times what the hub would), and never under the transfers' own floor."""
+    return max(MIN_FETCH_RATE, HUB_FRACTION * hub_rate) if hub_rate else MIN_FETCH_RATE
 MAX_CANDIDATES = 32  # peers asked at most per file
 
 
@@ -122,11 +130,12 @@ class Sharing:
                 return False
             random.shuffle(holders)
             part.parent.mkdir(parents=True, exist_ok=True)
+            slowest = min_rate(await asyncio.to_thread(hub.probe_rate, info.name))
             started = time.monotonic()
-            logger.info("fetching %s of %s (%.1f MiB) from %d peers that hold it", info.name, hub, info.size / 2**20,
-                        len(holders))
+            logger.info("fetching %s of %s (%.1f MiB) from %d peers that hold it (each at %.1f MiB/s at least)",
+                        info.name, hub, info.size / 2**20, len(holders), slowest / 2**20)
             sender = await fetch_file(self.node, holders, info.sha256, info.size, part, banned=self.banned,
-                                      progress=Progress(info.name))
+                                      progress=Progress(info.name), min_rate=slowest)
         except WeightsUnavailable as exc:
             logger.warning("%s: no peer delivered it (%s); asking the hub", info.name, exc)
             return False

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
                    ".npz", ".pkl", ".tflite", ".mlmodel", ".nemo")
 MANIFEST_VERSION = 1
 PROGRESS_EVERY_S = 5.0
+PROBE_BYTES = 4 * 2**20  # what `HubModel.probe_rate` times
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -102,6 +104,7 @@ class HubModel:
     stop: threading.Event | None = None  # set when the process stops: no further file is fetched
     fetch_hook: Callable[[RepoFile, Path], bool] | None = None  # tries other sources (peers) before the hub
     on_fetched: Callable[[RepoFile, Path], None] | None = None  # told of every file fetched, from anywhere
+    rate: float | None = None  # bytes/s the hub sent at last measure (`probe_rate`); None: not measured
 
     @property
     def folder(self) -> Path:
@@ -268,6 +271,35 @@ class HubModel:
         self.shapes = shapes
         self._save_manifest()
         return shapes
+
+    def probe_rate(self, name: str, nbytes: int = PROBE_BYTES) -> float | None:
+        """Bytes/s the hub sends, timed on the first `nbytes` of `name` (a range request), kept in `rate`; None
+        offline or when the hub cannot be asked (then nothing is compared with it)."""
+        if self.rate is not None:
+            return self.rate
+        if self.hub.offline or self.offline:
+            return None
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        url = hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.hub.endpoint)
+        started = time.perf_counter()
+        try:
+            got = 0
+            with get_session().stream("GET", url, follow_redirects=True, timeout=30,
+                                      headers={**build_hf_headers(token=self.hub.token),
+                                               "Range": f"bytes=0-{nbytes - 1}"}) as response:
+                hf_raise_for_status(response)
+                for block in response.iter_bytes():
+                    got += len(block)
+                    if got >= nbytes:
+                        break
+        except Exception as exc:  # noqa: BLE001 - the hub's speed is a hint: without it nothing is compared
+            logger.info("%s: the hub's speed could not be measured (%s)", self, type(exc).__name__)
+            return None
+        self.rate = got / max(time.perf_counter() - started, 1e-6)
+        logger.info("%s: the hub sends %.1f MiB/s", self, self.rate / 2**20)
+        return self.rate
 
     def _remote_header(self, name: str) -> dict[str, tuple[str, list[int]]]:
         """A shard's header read on the hub with two range requests: its length, then the header itself."""

@@ -53,6 +53,7 @@ MIN_BURST = 4096  # the bucket's burst (and the chunk size under a cap): a tenth
 MAX_ASKS = 16  # `have` requests `find_holders` has in flight at once
 FETCH_TIMEOUT_S = 30.0  # a holder silent this long while a client waits is skipped
 MIN_FETCH_RATE = 128 * 1024  # bytes/s: a holder slower than this over a piece is skipped
+START_S = 10.0  # what a piece may take beyond its length at `min_rate`: the holder's start
 
 
 def _check_name(sha256: str) -> str:
@@ -283,8 +284,9 @@ Progress = Callable[[int, int], object]
 async def _get(stream: Stream, request: Get, timeout: float, min_rate: float,
                consume: Callable[[int, bytearray], Awaitable[None]]) -> None:
     """Send `request`, hand each chunk of the reply to `consume(offset, data)`, in order, until `end`. The reply
-    must come without a silence of `timeout` s and within `timeout + length / min_rate` s in all."""
-    deadline = time.monotonic() + timeout + request.length / min_rate
+    must come without a silence of `timeout` s and within `START_S + length / min_rate` s in all (at most
+    `timeout` for the start)."""
+    deadline = time.monotonic() + min(timeout, START_S) + request.length / min_rate
     await _send(stream, request.to_message())
     got = 0
     for _ in range(request.length + 1):  # every chunk carries a byte at least; then `end`

@@ -227,3 +227,21 @@ def test_hub_access_honours_the_environment(hub, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True,
                          text=True, timeout=120, check=True)
     assert out.stdout.split() == [directory, digest] and hub.log == []
+
+
+def test_the_hubs_speed_is_measured_so_a_holder_may_not_trickle(checkpoint, tmp_path):
+    """A peer takes weight files from other peers first; one sending slower than a share of the hub's speed is
+    left for the hub (`peer.weights.min_rate`), so the hub's speed is measured once, with a range request."""
+    from peer.weights import HUB_FRACTION, min_rate
+    from swarm.weights.share import MIN_FETCH_RATE
+
+    with HubServer({REPO: checkpoint}, rate=4 * 2**20) as server:
+        weights = open_weights(REPO, role="peer", hub=hub_of(server, tmp_path), cache_home=tmp_path)
+        shard = sorted(shards_of(checkpoint, ("model.layers.",)))[0]
+        rate = weights.hub.probe_rate(shard, nbytes=256 * 1024)
+        ranges = [r.range for r in server.log if r.filename == shard]
+        assert weights.hub.probe_rate(shard) == rate and len(ranges) == 1  # measured once
+        offline = open_weights(REPO, role="peer", hub=hub_of(server, tmp_path, offline=True), cache_home=tmp_path)
+        assert offline.hub.probe_rate(shard) is None
+    assert 1 * 2**20 < rate < 8 * 2**20, rate  # the hub's cap, give or take its start
+    assert min_rate(rate) == max(MIN_FETCH_RATE, HUB_FRACTION * rate) and min_rate(None) == MIN_FETCH_RATE
