@@ -126,10 +126,16 @@ class ApiConfig:
                                   "it below the peers' --idle-timeout, 300 s by default)")
     allow_origin: str | None = option(None, help="let web pages from this origin call the API from a browser "
                                       "(CORS), e.g. '*' for any (default: none)")
+    api_key: tuple[str, ...] = option((), metavar="KEY", help="API keys that may call the API (as 'Authorization: "
+                                      "Bearer KEY'); each is a user of its own: prompt reuse, limits and metrics per "
+                                      "key (default: no keys, one user)")
+    api_keys: str | None = option(None, metavar="FILE", help="a file of API keys, one per line: 'NAME KEY' or 'KEY'")
+    key_generations: int = option(4, help="generations one API key may have running or waiting at once")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_tokens", "max_generations", "max_queue", "max_n", "max_prompts", "max_connections",
-                              "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after"),
+                              "header_timeout", "body_timeout", "write_timeout", "max_body_bytes", "retry_after",
+                              "key_generations"),
                        ("--context-length",) if self.context_length is not None and self.context_length < 2 else ())
         check_port(self.port, "--port")
         if self.speculative_tokens < 0 or self.max_logprobs < 0 or self.reuse_tokens < 0:

@@ -51,6 +51,7 @@ from client.api.errors import model_not_found
 from client.api.requests import ApiError, Common, invalid, parse_chat, parse_completion
 from client.api.metrics import ApiMetrics
 from client.api.responses import ResponseBodies, unchecked_headers
+from client.api.keys import ApiKeys
 from client.api.reuse import Reuse
 from client.api.served import ServedModel, load, served_models
 from client.api.stream import ClientGone, Runs, Writer, api_error
@@ -67,6 +68,7 @@ from swarm.errors import ConfigError, SwarmError
 logger = logging.getLogger(__name__)
 
 STREAMING = web.RequestKey("streaming", bool)  # set once a response's head is sent: errors go into the stream
+USER = web.RequestKey("user", str)  # the API key's user ("" without keys: `client.api.keys`)
 KEEPALIVE_S = 5.0  # seconds between SSE comments while a started stream waits for blocks
 
 
@@ -96,6 +98,7 @@ class Gateway:
         # cannot return to where two prompts part
         self.reuse = {m.model_id: Reuse(m.client, 0 if m.recurrent else config.reuse_tokens, config.reuse_seconds,
                                         self.metrics, m.model_id) for m in models}
+        self.keys = ApiKeys.of(config)  # the users, by API key (`client.api.keys`)
 
     def app(self) -> web.Application:
         app = http.make_app(self.limits)
@@ -135,6 +138,8 @@ class Gateway:
                 "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
                                                                     "Authorization, Content-Type")})
         try:
+            if request.path != "/" and request.path != "/metrics":  # the page itself, and the operator's figures
+                request[USER] = self.keys.user(request.headers.get("Authorization"))
             response = await handler(request)
         except Exception:
             if request.get(STREAMING):  # the response has started: nothing else can be sent on it, and its
@@ -144,6 +149,8 @@ class Gateway:
         if not response.prepared:
             response.headers.update(self._cors())
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        if self.keys.on and USER in request:
+            self.metrics.user_requests.labels(request[USER], str(response.status)).inc()
         return response
 
     def _error_response(self, request: web.Request) -> web.StreamResponse:
@@ -321,11 +328,16 @@ class Gateway:
     async def _generate(self, request: web.Request, served: ServedModel, bodies: ResponseBodies,
                         prompts: list[list[int]], samplings: list[Sampling], common: Common) -> web.StreamResponse:
         endpoint = "/v1/chat/completions" if bodies.chat else "/v1/completions"
-        model = served.model_id
-        await self._slot()
+        model, user = served.model_id, request.get(USER, "")
+        self.keys.admit(user)
+        try:
+            await self._slot()
+        except BaseException:
+            self.keys.release(user)
+            raise
         self.running += 1
         started = time.perf_counter()
-        gens = [self._generation(served, ids, sampling) for ids, sampling in zip(prompts, samplings)]
+        gens = [self._generation(served, ids, sampling, user) for ids, sampling in zip(prompts, samplings)]
         runs = Runs(gens)
         try:
             try:
@@ -333,6 +345,7 @@ class Gateway:
             finally:
                 self.running -= 1
                 self.slots.release()
+                self.keys.release(user)
                 await runs.close()
                 for gen in gens:
                     if gen.closing is not None:
@@ -364,13 +377,15 @@ class Gateway:
                         time.perf_counter() - started, max(g.first_token_s or 0.0 for g in gens),
                         f", {len(failovers)} failovers" if failovers else "")
 
-    def _generation(self, served: ServedModel, prompt: list[int], sampling: Sampling) -> Generation:
-        """A generation whose session comes from the model's prompt reuse (`client.api.reuse`: where a kept or
-        running session holds the most of its prompt), or is a new one for the requests it leaves out."""
+    def _generation(self, served: ServedModel, prompt: list[int], sampling: Sampling, user: str) -> Generation:
+        """A generation whose session comes from the model's prompt reuse among `user`'s sessions
+        (`client.api.reuse`: where a kept or running one holds the most of its prompt), or is a new one for the
+        requests it leaves out."""
         reuse = self.reuse[served.model_id]
         reusable = reuse.on and sampling.n == 1 and not sampling.prompt_logprobs and sampling.max_tokens > 0
         return Generation(served.client, served.head, served.tokenizer, self.executor, prompt, sampling,
-                          served.end_tokens, sessions=reuse if reusable else None, heads=self.heads[served.model_id])
+                          served.end_tokens, sessions=reuse.of(user) if reusable else None,
+                          heads=self.heads[served.model_id])
 
     def _timed(self, last: list[float], model: str) -> None:
         now = time.perf_counter()

@@ -37,6 +37,8 @@ class ApiMetrics:
         self.reuse_evicted = Counter("swarm_api_kept_sessions_closed", "kept sessions closed, by why: unused (too "
                                      "long), budget (least recently used beyond --reuse-tokens), shutdown",
                                      ["reason", "model"], registry=r)
+        self.user_requests = Counter("swarm_api_user_requests", "HTTP requests answered, by API key's user (with "
+                                     "--api-key or --api-keys) and status", ["user", "status"], registry=r)
         self.cancelled = Counter("swarm_api_cancelled", "generations cancelled because the client went away",
                                  registry=r)
 

@@ -16,6 +16,10 @@ session is one of these, holding `lease.cached` of its prompt's tokens:
   forked too, once its prompt has run: so concurrent requests with one system prompt have it computed once
   per peer.
 
+Sessions are kept, taken and forked within one user only (`of(user)`, the gateway's API keys:
+`client.api.keys`): each user's sequences begin with a mark of their own in both trees, so no prefix of one user
+meets another's, and another user's cached prompt can be neither used nor seen (`cached_tokens`, timing).
+
 When the lease is given back, its session is kept if the generation ended well (`lease.tokens`), else closed.
 Requests of several choices (`n` > 1: one session of that batch) and those scoring their prompt (every
 position's outputs are needed) take their sessions elsewhere (`client.leases.NewSessions`): they start afresh
@@ -54,6 +58,7 @@ READY_WAIT_S = 60.0  # the longest a fork waits for a running request's prompt t
 class Kept:
     session: InferenceSession
     tokens: list[int]
+    user: str = ""
     used_at: float = field(default_factory=time.monotonic)
     forks: int = 0  # forks of it in progress: it is neither taken nor closed meanwhile
 
@@ -77,9 +82,10 @@ class Reuse:
         self.client = client
         self.max_tokens, self.max_seconds = max_tokens, max_seconds
         self.metrics, self.model = metrics, model
-        self.kept = PrefixTree()  # Kept -> its tokens
-        self.running = PrefixTree()  # Lease -> its prompt
+        self.kept = PrefixTree()  # Kept -> its user's mark, then its tokens (`_key`)
+        self.running = PrefixTree()  # Lease -> its user's mark, then its prompt
         self._closing: set[asyncio.Task] = set()
+        self._marks: dict[str, int] = {}  # user -> the token (below every real one) its sequences begin with
 
     @property
     def on(self) -> bool:
@@ -87,34 +93,49 @@ class Reuse:
 
     @property
     def kept_tokens(self) -> int:
-        return sum(len(tokens) for tokens in self.kept.sequences.values())
+        return sum(len(kept.tokens) for kept in self.kept.sequences)
+
+    def of(self, user: str) -> Scoped:
+        """The leases of one user (`client.api.keys`): sessions are kept, taken and forked within a user only."""
+        return Scoped(self, user)
+
+    def _key(self, user: str, tokens: list[int]) -> list[int]:
+        """`tokens` as the trees hold them: after a mark of their user, so no user's prefix meets another's."""
+        mark = self._marks.setdefault(user, -1 - len(self._marks))
+        return [mark, *tokens]
 
     @contextlib.asynccontextmanager
-    async def lease(self, prompt: list[int], max_length: int) -> AsyncIterator[Lease]:
-        """A session to run `prompt` in, of at least `max_length`, starting where the most of it is computed;
-        kept afterwards if the generation ended well (`Lease.tokens`), else closed."""
+    async def lease(self, prompt: list[int], max_length: int, user: str = "") -> AsyncIterator[Lease]:
+        """A session to run `prompt` in, of at least `max_length`, starting where the most of it is computed among
+        `user`'s sessions; kept afterwards if the generation ended well (`Lease.tokens`), else closed."""
         lease = Lease()
-        choice = self.choose(prompt)
+        choice = self.choose(prompt, user)
         if self.on:
-            self.running.insert(lease, prompt)  # from now on, a later request with this prompt may fork it
+            self.running.insert(lease, self._key(user, prompt))  # from now on a later request may fork it
         try:
             await self._begin(lease, choice, prompt, max_length)
             yield lease
         finally:
             self.running.remove(lease)
             lease.prefilled.set()  # forks waiting for this prompt look again (they find it ran, or not)
-            if lease.session is not None and not (lease.tokens is not None and self._kept(lease)):
+            if lease.session is not None and not (lease.tokens is not None and self._kept(lease, user)):
                 lease.closing = self._close_later(lease.session)
 
-    def choose(self, prompt: list[int]) -> Choice:
-        """Where a request with `prompt` starts (module docstring). A kept session chosen to be taken leaves the
-        tree (it is this request's now); one chosen to be forked is pinned (`Kept.forks`)."""
+    def choose(self, prompt: list[int], user: str = "") -> Choice:
+        """Where a request of `user` with `prompt` starts (module docstring). A kept session chosen to be taken
+        leaves the tree (it is this request's now); one chosen to be forked is pinned (`Kept.forks`)."""
         self.expire()
         if not self.on or len(prompt) < 2:
             return Choice()
         last = len(prompt) - 1  # at least one prompt token runs
-        kept_items, kept_len = self.kept.longest(prompt)
-        run_items, run_len = self.running.longest(prompt)
+        key = self._key(user, prompt)
+        kept_items, kept_len = self.kept.longest(key)
+        run_items, run_len = self.running.longest(key)
+        kept_len, run_len = max(0, kept_len - 1), max(0, run_len - 1)  # the user's mark is no prompt token
+        if not kept_len:
+            kept_items = set()
+        if not run_len:
+            run_items = set()
         kept = max(kept_items, key=lambda k: k.used_at, default=None)
         if kept is not None and kept_len > 0 and kept_len >= len(kept.tokens) - TAKE_SLACK and not kept.forks \
                 and not kept.session.forking:
@@ -170,19 +191,19 @@ class Reuse:
             lease.session = await fork(source, position, max(max_length, position))
             lease.cached, lease.how = position, how
 
-    def _kept(self, lease: Lease) -> bool:
+    def _kept(self, lease: Lease, user: str) -> bool:
         try:
-            return self.keep(lease.session, lease.tokens)
+            return self.keep(lease.session, lease.tokens, user)
         except Exception:  # boundary: a bookkeeping bug closes the session rather than losing it
             logger.exception("keeping a finished session failed")
             return False
 
-    def keep(self, session: InferenceSession, tokens: list[int]) -> bool:
+    def keep(self, session: InferenceSession, tokens: list[int], user: str = "") -> bool:
         """Keep a finished request's session (True), unless reuse is off or it holds too little."""
         if not self.on or len(tokens) < 2 or len(tokens) > self.max_tokens or session.closed:
             return False
         session.live.rest()  # idle: it does not count toward its peers' load while kept
-        self.kept.insert(Kept(session, list(tokens)), tokens)
+        self.kept.insert(Kept(session, list(tokens), user), self._key(user, tokens))
         self.expire()
         asyncio.get_running_loop().call_later(self.max_seconds + 0.5, self.expire)  # closed in time when idle
         return True
@@ -218,3 +239,14 @@ class Reuse:
             self._close(kept, "shutdown")
         if self._closing:
             await asyncio.wait(list(self._closing), timeout=3)
+
+
+@dataclass(frozen=True)
+class Scoped:
+    """`Reuse` as one user's source of leases (`client.leases`)."""
+
+    reuse: Reuse
+    user: str
+
+    def lease(self, prompt: list[int], max_length: int):
+        return self.reuse.lease(prompt, max_length, self.user)

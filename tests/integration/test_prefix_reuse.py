@@ -239,3 +239,34 @@ def test_a_kept_session_whose_peer_died_gives_the_same_text(net, apis):
     assert [first[0], second[0]] == [text for text, _ in cold]
     assert second[1] > 0
     assert api_metric(solo, "swarm_api_failovers_total") >= 1
+
+
+def test_with_api_keys_each_user_reuses_only_its_own_sessions_and_has_its_own_limit(net, apis):
+    """A gateway with two keys: a request without one is refused (401); a prompt one user ran is not reused for
+    the other (its `cached_tokens` says nothing of the first user's), only for the same user; a user with a
+    generation running gets 429 for another (`--key-generations 1`)."""
+    alice_key, bob_key = "alice-key-0123456789", "bob-key-0123456789"
+    proc = net.start_api("keyed", net.model_dir, "--max-tokens", "24", "--verify-fraction", "0", "--api-key",
+                         alice_key, bob_key, "--key-generations", "1")
+    url = proc.extra["url"]
+    alice, bob, nobody = (openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=120)
+                          for key in (alice_key, bob_key, "wrong-key-0123456789"))
+    with pytest.raises(openai.AuthenticationError):
+        nobody.models.list()
+    model = alice.models.list().data[0].id
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    first, cached = chat(alice, model, messages)
+    assert cached == 0
+    other, cached_for_bob = chat(bob, model, messages)
+    again, cached_for_alice = chat(alice, model, messages)
+    assert other == first == again and cached_for_bob == 0 and cached_for_alice > 40
+    stream = alice.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, stream=True)
+    try:
+        next(iter(stream))  # alice's generation is running
+        with pytest.raises(openai.RateLimitError):
+            chat(alice, model, messages)
+        assert chat(bob, model, messages)[0] == first  # bob is not held back by alice
+    finally:
+        stream.close()
+    assert api_metric(alice, "swarm_api_user_requests_total", {"user": "key1", "status": "429"}) == 1
+    net.stop("keyed")

@@ -83,12 +83,30 @@ def test_a_request_takes_the_session_its_prompt_extends_and_forks_one_it_only_sh
     asyncio.run(main())
 
 
+def test_one_users_sessions_are_neither_taken_nor_forked_for_another():
+    async def main():
+        pool = Reuse(None, max_tokens=1000, max_seconds=60)
+        system = list(range(100, 100 + MIN_SHARED + 4))
+        alice = Session()
+        assert pool.keep(alice, system + [1, 2, 3], "alice")
+        assert pool.choose(system + [1, 2, 3, 4], "bob").how == ""  # bob's request: a new session
+        assert pool.choose(system + [7, 8], "bob").how == ""
+        running, long = Lease(), list(range(500, 500 + 3 * MIN_SHARED))
+        pool.running.insert(running, pool._key("alice", long))
+        assert pool.choose(long + [5], "bob").how == ""
+        assert pool.choose(long + [5], "alice").how == "running"
+        assert pool.choose(system + [1, 2, 3, 4], "alice").how == "kept"
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_running_request_is_forked_once_it_shares_clearly_more():
     async def main():
         pool = Reuse(None, max_tokens=1000, max_seconds=60)
         system = list(range(100, 100 + 3 * MIN_SHARED))
         running = Lease()
-        pool.running.insert(running, system + [1])
+        pool.running.insert(running, pool._key("", system + [1]))
         chosen = pool.choose(system + [2, 3])
         assert (chosen.how, chosen.of, chosen.position) == ("running", running, len(system))
         pool.keep(Session(), system[:MIN_SHARED] + [9] * 10)  # a kept session sharing less than the running one
