@@ -6,7 +6,9 @@ reads to go on or fail over. They never call the session.
 Every peer still replies its output to the client. Each later hop's step is tagged for the hop before it, so
 only that peer can push it, and each output names what it computed on: a hop that computed on something else
 than the previous hop's output (as the client received it) means the previous hop pushed something else than
-it returned (`ChainMismatch`): that hop fails, its step is redone, and the rest of the step is relayed.
+it returned, or that it lies about what it got (`ChainMismatch`): word against word, so nobody is blamed; the
+client sends that hop its input itself (a relayed step, whose input digest the client checks against what it
+sent) and does not chain that pair again (`FailurePolicy.chain_mismatch`).
 
 Invariant: the history holds the input of every link the result says is done (links before `next`), as in a
 relayed step, so a failover after a chained step replays exactly.
@@ -59,8 +61,10 @@ def can_chain(route: Route, i: int) -> bool:
     if len(set(peers)) < len(peers):
         return False
     now = time.monotonic()
+    failures = route.client.failures
     return all(link.session is not None and not link.slow and now - link.used_at < IDLE_REOPEN_S
-               for link in route.links[i:])
+               for link in route.links[i:]) and \
+        all(failures.chainable(a.hop.peer, b.hop.peer) for a, b in zip(route.links[i:], route.links[i + 1:]))
 
 
 async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
@@ -87,7 +91,6 @@ async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torc
     except SwarmError as e:
         return Chained(i, x, e, began)
     steps = [step] + [hop.step for hop in hops]
-    before: torch.Tensor | None = None  # the previous link's input
     for j, link in enumerate(links):
         done = {"began": began, "sent": min(j, 1), "pushed": max(j - 1, 0)}  # links 0.. j - 1 are done
         if route.closed:
@@ -97,12 +100,10 @@ async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torc
         try:
             out = await link.session.receive(steps[j], shape, route.deadline(link, shape[0] * tokens), expected)
             check_plausible(link.hop, x, out, route.client.floor)
-        except ChainMismatch as e:
-            # the previous hop pushed something else than it returned: it fails, and its step is redone
-            upstream = links[j - 1]
-            client.failures.chain_mismatch(upstream.hop.peer, link.hop.peer)
-            route.history[upstream.hop.span.start].truncate(position)
-            return Chained(i + j - 1, before, e, **done)
+        except ChainMismatch:
+            # word against word (module docstring): the client sends this hop the previous one's output itself
+            client.failures.chain_mismatch(links[j - 1].hop.peer, link.hop.peer)
+            return Chained(i + j, x, None, **done)
         except SwarmError as e:
             if j and isinstance(e, StepTimeout) and await client.answers(link.hop.peer, PROBE_TIMEOUT):
                 # alive, so its input may be what went missing (a push lost on the way): send it directly
@@ -114,7 +115,7 @@ async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torc
         route.observe(link, (now - started) * 1e3, tokens)
         started = now
         route.record(i + j, x, position)
-        before, x = x, out
+        x = out
         if j < len(links) - 1 and not link.session.pushed:
             return Chained(i + j + 1, x, None, began, sent=1, pushed=j)
     return Chained(len(route.links), x, None, began, sent=1, pushed=len(links) - 1)

@@ -13,10 +13,12 @@ reroute the hop's span (the caller then replaces the hop and, in a session, repl
   which counts failures of peers that had served us: fake records cannot use up the attempts an
   honest route needs. Every failed peer is banned, so the candidates shrink with each attempt, and
   both counts bound the loop.
-- A chain mismatch (`ChainMismatch`: a hop computed on input other than the previous hop's output) is
-  a failure of the previous hop. A downstream peer that reports mismatches against two different
-  upstream peers is suspected of lying itself and banned too (one peer cannot frame honest ones for
-  long).
+- A chain mismatch (`ChainMismatch`: a pushed-on hop says it computed on input other than the previous hop's
+  output, as the client received it) is word against word: either the previous hop pushed something else than
+  it returned, or the next one lies about what it got. Neither is banned (one identity could otherwise frame
+  an honest peer); the pair is not chained again for `LIAR_BAN_S` (`unchained`): the client sends the next
+  hop its input itself, checks what it says it computed on against what it sent, and so loses only the
+  pushes' saving through that pair.
 - A failed check of outputs (`client.inference.verify`, `client.inference.arbiter`) ends in one of two
   ways: a liar is proven (`convict`: by its own contradicting answers or by the client's own computation;
   banned for `LIAR_BAN_S`, and the conviction ends with the ban), or two computations disagreed and nothing
@@ -38,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from swarm.errors import BadRequest, ChainMismatch, NoRoute, SwarmError, WrongOutput
+from swarm.errors import BadRequest, NoRoute, SwarmError, WrongOutput
 from swarm.span import Span
 from swarm.net.transport import describe_peer
 
@@ -47,8 +49,7 @@ logger = logging.getLogger(__name__)
 UNPROVEN_ATTEMPTS = 64  # failures of peers that never served this client, per request, on top of max_retries
 LIAR_BAN_S = 3600.0  # a peer caught altering what it passes on is avoided this long
 DISPUTE_S = 600.0  # an open dispute between two peers is remembered this long
-LIES = {"wrong_output": "returned wrong outputs", "chain_mismatch": "altered what it passed on",
-        "suspect": "accused honest peers"}  # the reasons of a liar's ban, as a user reads them
+LIES = {"wrong_output": "returned wrong outputs"}  # the reasons of a liar's ban, as a user reads them
 
 
 def retryable(err: BaseException) -> bool:
@@ -84,7 +85,7 @@ class FailurePolicy:
     ban: Callable[[str, str, float | None], None]
     max_retries: int
     proven: set[str] = field(default_factory=set)
-    blamed_by: dict[str, set[str]] = field(default_factory=dict)  # accuser -> the peers it blamed
+    unchained: dict[tuple[str, str], float] = field(default_factory=dict)  # (upstream, downstream) -> until when
     # peers proven to have returned wrong outputs -> when the conviction ends (with their ban)
     convictions: dict[str, float] = field(default_factory=dict)
     disputes: dict[frozenset[str], float] = field(default_factory=dict)  # open disputes -> when they are forgotten
@@ -126,18 +127,18 @@ class FailurePolicy:
         return {other for pair in self.disputes if peer in pair for other in pair - {peer}}
 
     def chain_mismatch(self, upstream: str, downstream: str) -> None:
-        """`downstream` computed on something other than `upstream`'s output: `upstream` is banned for long
-        (by the caller's failover, through `Attempts.failed`); a downstream peer blaming a second upstream
-        peer is banned as well."""
-        self._accused(downstream, upstream, "next hop")
+        """`downstream` says it computed on other input than `upstream`'s output: the pair is not chained again
+        for `LIAR_BAN_S` (module docstring); nobody is banned."""
+        self.unchained[(upstream, downstream)] = self.clock() + LIAR_BAN_S
+        logger.warning("peer %s says peer %s pushed it other input than it returned: the client relays between "
+                       "them from now on", describe_peer(downstream), describe_peer(upstream))
 
-    def _accused(self, accuser: str, accused: str, role: str) -> None:
-        blamed = self.blamed_by.setdefault(accuser, set())
-        blamed.add(accused)
-        if len(blamed) >= 2:
-            logger.warning("peer %s (a %s) accused %d different peers: banning it too", describe_peer(accuser), role,
-                           len(blamed))
-            self.ban(accuser, "suspect", LIAR_BAN_S)
+    def chainable(self, upstream: str, downstream: str) -> bool:
+        until = self.unchained.get((upstream, downstream))
+        if until is not None and until <= self.clock():
+            del self.unchained[(upstream, downstream)]
+            until = None
+        return until is None
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Attempts:
             self.proven_failures += 1
         else:
             self.unproven_failures += 1
-        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, (ChainMismatch, WrongOutput)) else None)
+        self.policy.ban(peer, reason, LIAR_BAN_S if isinstance(err, WrongOutput) else None)
         logger.warning("blocks %s at peer %s failed (%s): rerouting", span, describe_peer(peer),
                        err if isinstance(err, SwarmError) else "no reply in time")
         if self.proven_failures > self.policy.max_retries or self.unproven_failures > UNPROVEN_ATTEMPTS:

@@ -61,7 +61,7 @@ from client.inference.routing import REROUTE_AFTER, Hop
 from client.inference.swarm_client import SwarmClient
 from client.inference.verify import Verifier
 from swarm.net import hidden as wire_hidden
-from swarm.errors import BadRequest, ChainMismatch, NoRoute, Rewound, SwarmError
+from swarm.errors import BadRequest, NoRoute, Rewound, SwarmError
 from swarm.net.transport import describe_peer
 
 logger = logging.getLogger(__name__)
@@ -172,8 +172,6 @@ class InferenceSession:
                 i, x, failed, began = done.next, done.x, done.failed, done.began
                 self.hop_inputs["sent"] += done.sent
                 self.hop_inputs["pushed"] += done.pushed
-                # after an altered push, later hops hold a step computed on it: relay the rest (a rollback)
-                chainable = not isinstance(failed, ChainMismatch)
                 continue
             began = began if failed else None
             failed = failed or not_opened.pop(id(live.links[i]), None)

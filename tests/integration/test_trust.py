@@ -1,8 +1,8 @@
 """Honest clients in a swarm with a dishonest peer, for real on 127.0.0.1: a peer that alters what it pushes
-to the next hop of a chained route, one that returns wrong outputs (and claims to be very fast), one that
-takes session streams and never answers, and one that says it forgot busy sessions. In each case the client gets the same tokens and logits as
-transformers locally, and the culprit is banned. The dishonest peers are test helpers (`tests/adversary.py`),
-not options of the real peer."""
+to the next hop of a chained route (relayed around, nobody framed), one that returns wrong outputs (and claims
+to be very fast), one that takes session streams and never answers, and one that says it forgot busy sessions.
+In each case the client gets the same tokens and logits as transformers locally, and the culprit is banned or
+routed around. The dishonest peers are test helpers (`tests/adversary.py`), not options of the real peer."""
 
 from __future__ import annotations
 
@@ -68,18 +68,21 @@ def assert_local(got: torch.Tensor, local) -> None:
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
 
 
-def test_a_peer_altering_its_pushes_is_caught_banned_and_routed_around(trust_swarm, tiny_llama, local):
+def test_a_peer_altering_its_pushes_frames_nobody_and_is_relayed_around(trust_swarm, tiny_llama, local):
+    """Its next hop says it got other input than the client got: word against word, so nobody is banned (a lying
+    next hop could otherwise frame an honest one); the client sends the next hop its input itself from then on,
+    and the logits are exact."""
     with DistributedModelForCausalLM.from_pretrained(tiny_llama, trust_swarm.bootstrap_addrs,
                                                      model_id=MODEL_ID) as model:
         only_through(model, trust_swarm, "tamper", "honest")
         got, failovers, hops = greedy_logits(model)
-        bans = model.connection.client.bans
-        tamper, honest = trust_swarm.procs["tamper"].peer_id, trust_swarm.procs["honest"].peer_id
-        assert bans.banned(tamper) and bans.reasons[tamper] == "chain_mismatch"
+        client = model.connection.client
+        tamper, tail = trust_swarm.procs["tamper"].peer_id, trust_swarm.procs["tail"].peer_id
+        assert not client.bans.banned(tamper) and not client.bans.banned(tail)
+        assert not client.failures.chainable(tamper, tail)
     assert_local(got, local)
-    assert [(f.failed_peer, f.reason) for f in failovers] == [(tamper, "chain_mismatch")]
-    assert failovers[0].new_hops == (f"[0:3) at {honest[-8:]}",)
-    assert hops["pushed"] >= 1  # the chain ran again after the failover
+    assert failovers == []
+    assert hops["pushed"] == 0 and hops["sent"] >= 2 * DECODE  # its push was not taken: the client relays
 
 
 def test_a_black_hole_costs_one_open_deadline_and_is_banned(trust_swarm, tiny_llama, local):
