@@ -5,6 +5,7 @@ transformers' greedy tokens; the announced cache figures come back at once when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -135,3 +136,44 @@ def test_a_hog_cannot_lock_an_honest_client_out(fair_swarm, tiny_llama, loop):
         released = time.monotonic()
         wait_until(lambda: announced(node, loop) == CACHE, ANNOUNCE, "the released cache in the record")
         print(f"released cache announced after {time.monotonic() - released:.1f} s (interval {ANNOUNCE:.0f} s)")
+
+
+def test_free_identities_holding_every_slot_at_their_share_cannot_lock_a_newcomer_out(fair_swarm, tiny_llama, loop):
+    """Four identities (key pairs cost nothing) each hold 2 of the peer's 8 slots, their share, and step them so
+    none is idle: an honest newcomer still generates, exactly, by taking one busy session of one of them."""
+    peer = fair_swarm.procs["peer"].peer_id
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    expected = local.generate(PROMPT, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with contextlib.ExitStack() as stack:
+        holders = [Hog(stack.enter_context(client_node(loop, fair_swarm.bootstrap_addrs)), peer) for _ in range(4)]
+
+        async def hold(hog: Hog) -> None:
+            for _ in range(2):
+                hog.sessions.append(await peer_session.PeerSession.open(hog.node, peer, MODEL_ID, ALL, max_length=64))
+                await hog.sessions[-1].step(torch.randn(1, 63, 64), 0)
+
+        async def keep_busy(hog: Hog, s: peer_session.PeerSession, stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                try:
+                    await s.step(torch.randn(1, 1, 64), 62)
+                except UnknownSession:
+                    hog.reclaimed += 1
+                    return
+                await asyncio.sleep(0.1)
+
+        for hog in holders:
+            loop.run(hold(hog))
+        with pytest.raises(Busy):  # the peer is full: one more session of a holder is over its share
+            loop.run(peer_session.PeerSession.open(holders[0].node, peer, MODEL_ID, ALL, max_length=16))
+        stop = asyncio.Event()
+        busy = [asyncio.run_coroutine_threadsafe(keep_busy(hog, s, stop), loop.loop)
+                for hog in holders for s in hog.sessions]
+        got, _ = timed_generate(fair_swarm, tiny_llama)
+        loop.loop.call_soon_threadsafe(stop.set)
+        for job in busy:
+            job.result(60)
+        assert got.tolist() == expected.tolist()
+        assert sum(hog.reclaimed for hog in holders) >= 1  # a busy session of one of them made the room
+        for hog in holders:
+            for s in hog.sessions:
+                loop.run(s.close())

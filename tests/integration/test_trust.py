@@ -24,8 +24,8 @@ DECODE = 6
 
 @pytest.fixture(scope="module")
 def trust_swarm(tmp_path_factory, tiny_llama):
-    """[0:3) five times: honest, altering its pushes, lying about its outputs, a black hole, and one that forgets
-    sessions; [3:6) once, honest."""
+    """[0:3) six times: honest, altering its pushes, lying about its outputs, a black hole, one that forgets
+    sessions and one that stalls its steps; [3:6) once, honest."""
     net = LocalSwarm(tmp_path_factory.mktemp("trust-swarm"))
     try:
         net.start_bootstrap()
@@ -34,6 +34,7 @@ def trust_swarm(tmp_path_factory, tiny_llama):
         net.start_peer("hole", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("blackhole"))
         net.start_peer("noisy", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("noisy"))
         net.start_peer("forgetful", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("forgetful"))
+        net.start_peer("stall", tiny_llama, "--blocks", "0:3", *PEER_OPTIONS, program=adversary("stall"))
         net.start_peer("tail", tiny_llama, "--blocks", "3:6", *PEER_OPTIONS)
         yield net
     finally:
@@ -47,7 +48,7 @@ def only_through(model: DistributedModelForCausalLM, net: LocalSwarm, first: str
     `first` fails waits for it, bounded."""
     client = model.connection.client
     model.connection.run(client.refresh(force=True))
-    for name in ("honest", "tamper", "hole", "noisy", "forgetful"):
+    for name in ("honest", "tamper", "hole", "noisy", "forgetful", "stall"):
         if name not in (first, fallback):
             client.ban(net.procs[name].peer_id, "test", 600.0)
     if fallback_ban:
@@ -116,6 +117,24 @@ def test_a_peer_forgetting_busy_sessions_is_banned_not_replayed_again_and_again(
         assert client.bans.reasons.get(forgetful) == "unknown_session", caplog.text
     assert_local(got, local)
     assert [(f.failed_peer, f.reason) for f in failovers] == [(forgetful, "unknown_session")]
+
+
+def test_a_peer_that_stalls_costs_a_machine_one_deadline(trust_swarm, tiny_llama, local):
+    """It opens sessions, never answers a step and claims to be very fast: the first client pays one deadline and
+    avoids it; the machine's next client does not try it at all."""
+    stall = trust_swarm.procs["stall"].peer_id
+    for first in (True, False):
+        with DistributedModelForCausalLM.from_pretrained(tiny_llama, trust_swarm.bootstrap_addrs,
+                                                         model_id=MODEL_ID) as model:
+            only_through(model, trust_swarm, "stall", "honest", fallback_ban=0)
+            client = model.connection.client
+            wait_until(lambda: model.connection.run(client.refresh(force=True)) or stall in client.offers, 30,
+                       "the stalling peer's record to be seen", interval=0.5)
+            assert client.bans.banned(stall) is not first  # the second client knows it from the first
+            got, failovers, _ = greedy_logits(model)
+            assert client.bans.reasons[stall] == "stalled"
+        assert_local(got, local)
+        assert [(f.failed_peer, f.reason) for f in failovers] == ([(stall, "timeout")] if first else [])
 
 
 class Seen:
