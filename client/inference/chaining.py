@@ -8,7 +8,8 @@ only that peer can push it, and each output names what it computed on: a hop tha
 than the previous hop's output (as the client received it) means the previous hop pushed something else than
 it returned, or that it lies about what it got (`ChainMismatch`): word against word, so nobody is blamed; the
 client sends that hop its input itself (a relayed step, whose input digest the client checks against what it
-sent) and does not chain that pair again (`FailurePolicy.chain_mismatch`).
+sent), relays the rest of the step (the later hops roll back to its position), and does not chain that pair
+again (`FailurePolicy.chain_mismatch`).
 
 Invariant: the history holds the input of every link the result says is done (links before `next`), as in a
 relayed step, so a failover after a chained step replays exactly.
@@ -48,6 +49,7 @@ class Chained:
     began: float
     sent: int = 0
     pushed: int = 0
+    mismatch: bool = False  # a hop said it got other input than pushed: the rest of the step is relayed
 
 
 def can_chain(route: Route, i: int) -> bool:
@@ -80,7 +82,7 @@ async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torc
     mask_blob = None if mask is None else wire.blob_of(mask)
     now = time.monotonic()
     for link in links:
-        link.used_before, link.used_at = link.used_at, now
+        link.used_at = now
     began = started = time.perf_counter()
     try:
         step = await asyncio.wait_for(links[0].session.send(x, position, mask, chain=hops, encoding=encoding),
@@ -103,7 +105,7 @@ async def chain(route: Route, i: int, x: torch.Tensor, position: int, mask: torc
         except ChainMismatch:
             # word against word (module docstring): the client sends this hop the previous one's output itself
             client.failures.chain_mismatch(links[j - 1].hop.peer, link.hop.peer)
-            return Chained(i + j, x, None, **done)
+            return Chained(i + j, x, None, **done, mismatch=True)
         except SwarmError as e:
             if j and isinstance(e, StepTimeout) and await client.answers(link.hop.peer, PROBE_TIMEOUT):
                 # alive, so its input may be what went missing (a push lost on the way): send it directly

@@ -166,7 +166,7 @@ class Link:
     detector: SlowDetector = field(default_factory=SlowDetector)
     slow: bool = False
     used_at: float = field(default_factory=time.monotonic)  # last step sent or session opened
-    used_before: float = field(default_factory=time.monotonic)  # used_at before the last step was sent
+    answered_at: float = field(default_factory=time.monotonic)  # its session last opened or answered a step
     reopened: bool = False  # already reopened once on the same peer (its session had expired)
     assumed_ms: float = 0.0  # a decode step's time through the hop (delay and compute, load included) its
     # route assumed when chosen

@@ -82,7 +82,7 @@ async def pipeline(route: Route, x: torch.Tensor, position: int, mask: torch.Ten
             try:
                 for c, (start, end) in enumerate(chunks):
                     chunk = await queues[i].get()
-                    link.used_before, link.used_at = link.used_at, time.monotonic()
+                    link.used_at = time.monotonic()
                     sent_at.append(time.monotonic())
                     step = await link.session.send(chunk, position + start,
                                                    None if mask is None else mask[:, :position + end],

@@ -170,6 +170,7 @@ class Route:
     def observe(self, link: Link, ms: float, tokens: int) -> None:
         """A step of `tokens` through the link took `ms`: the client's figures, and the slow-peer detector."""
         hop = link.hop
+        link.answered_at = time.monotonic()
         self.client.observe(hop, ms, link.session.last_compute_ms, tokens)
         if link.detector.observe(ms, tokens):
             logger.warning("peer %s is slow (%.0f ms per step): avoiding it for this session",
@@ -181,9 +182,9 @@ class Route:
         `waited_at`: when the session last began to wait for blocks."""
         if link.reopened or link.session is None:
             return False
-        # idle until the step that failed was sent; a link left idle while the session waited for blocks may
-        # have outlived the peer's idle timeout too
-        idle_s = math.inf if link.used_before <= waited_at else link.used_at - link.used_before
+        # silent from its last answer until the step that failed was sent; a link left idle while the session
+        # waited for blocks may have outlived the peer's idle timeout too
+        idle_s = math.inf if link.answered_at <= waited_at else link.used_at - link.answered_at
         return reclaimed(reason, idle_s)
 
     async def open_fresh(self, position: int) -> dict[int, BaseException]:
@@ -209,6 +210,7 @@ class Route:
         link.used_at = time.monotonic()
         link.session = await self.client.open_session(hop, max_length=self.max_length, batch=self.batch,
                                                       encodings=self.encodings.all)
+        link.answered_at = time.monotonic()
         if position == 0:
             return
         inputs = self.history.get(hop.span.start)
@@ -225,7 +227,7 @@ class Route:
                    encoding: str) -> torch.Tensor:
         """The link's output for `x` at `position`, within the hop's deadline, checked and measured."""
         hop, tokens = link.hop, x.shape[1]
-        link.used_before, link.used_at = link.used_at, time.monotonic()
+        link.used_at = time.monotonic()
         started = time.perf_counter()
         out = await asyncio.wait_for(link.session.step(x, position, mask, encoding),
                                      self.deadline(link, x.shape[0] * tokens))

@@ -172,6 +172,8 @@ class InferenceSession:
                 i, x, failed, began = done.next, done.x, done.failed, done.began
                 self.hop_inputs["sent"] += done.sent
                 self.hop_inputs["pushed"] += done.pushed
+                # after a push a hop disowned, later hops may hold a step computed on it: relay the rest
+                chainable = chainable and not done.mismatch
                 continue
             began = began if failed else None
             failed = failed or not_opened.pop(id(live.links[i]), None)

@@ -6,11 +6,13 @@ accepts work and never answers, or one that claims a speed it does not have) is 
 restarted gateway) do not pay its deadline again: identities cost nothing, but each costs a client at most one
 deadline per `STALL_S`, and a machine's later clients none. Only this machine's own clients write the file,
 from their own deadlines: no peer's word enters it. Entries expire; the file holds at most `KEEP` of them.
-Writes are atomic (a temporary file renamed), and merge what other processes wrote meanwhile.
+Writes are atomic (a temporary file renamed) and merge what the file held when read; two processes writing at
+the same moment may lose one entry, which costs one more deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +50,7 @@ class StallMemory:
         entries[peer] = max(entries.get(peer, 0.0), self.clock() + seconds)
         now = self.clock()
         kept = sorted(((p, u) for p, u in entries.items() if u > now), key=lambda e: -e[1])[:KEEP]
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{NAME}.")
@@ -56,6 +59,9 @@ class StallMemory:
             os.replace(tmp, self.path)
         except OSError as e:
             logger.debug("could not remember stalled peers in %s: %s", self.path, e)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def _read(self) -> dict[str, float]:
         try:

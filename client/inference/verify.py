@@ -249,6 +249,7 @@ class Verifier:
                                                                         encodings=(REPLAY_ENCODING,))
                 x = await asyncio.wait_for(shadow.sessions[i].step(x, start, mask, REPLAY_ENCODING),
                                            self.client.deadline(hop, x.shape[0] * x.shape[1]))
+                self.client.failures.succeeded(hop.peer)  # it served this client: a later timeout is no stall
             except (asyncio.TimeoutError, SwarmError) as e:
                 # the checker failed, not the hop: other checkers next time
                 logger.info("checking blocks %s at peer %s failed (%s)", hop.span, describe_peer(hop.peer),
@@ -317,7 +318,7 @@ class Verifier:
         claimed = torch.cat([outputs[:, :start], want], 1)[:, :upto]
         tol = self._tolerance(span, shadow, start)
         verdict = await settle(self.client, primary, self.client.offer(primary).format, shadow.hops, piece_inputs,
-                               piece_outputs, claimed, None if mask is None else mask[:, :upto], tol)
+                               piece_outputs, claimed, None if mask is None else mask[:, :upto], tol, start)
         if verdict.liar is None and verdict.other is None and shadow.verified == start and shadow.cut >= upto:
             # rounding: every piece agreed with the hop's own recomputation up to `first`; on from there
             self._keep(shadow, [out[:, :upto - start] for out in outs], start)

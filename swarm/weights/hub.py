@@ -105,6 +105,7 @@ class HubModel:
     fetch_hook: Callable[[RepoFile, Path], bool] | None = None  # tries other sources (peers) before the hub
     on_fetched: Callable[[RepoFile, Path], None] | None = None  # told of every file fetched, from anywhere
     rate: float | None = None  # bytes/s the hub sent at last measure (`probe_rate`); None: not measured
+    probed: bool = False  # `probe_rate` ran (a failed probe is not tried again)
 
     @property
     def folder(self) -> Path:
@@ -275,10 +276,9 @@ class HubModel:
     def probe_rate(self, name: str, nbytes: int = PROBE_BYTES) -> float | None:
         """Bytes/s the hub sends, timed on the first `nbytes` of `name` (a range request), kept in `rate`; None
         offline or when the hub cannot be asked (then nothing is compared with it)."""
-        if self.rate is not None:
+        if self.probed or self.hub.offline or self.offline:
             return self.rate
-        if self.hub.offline or self.offline:
-            return None
+        self.probed = True
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 

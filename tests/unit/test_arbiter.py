@@ -99,7 +99,22 @@ def test_a_consistent_liar_is_narrowed_down_to_one_block_which_the_client_comput
     verdict = settle(swarm, "liar", [Hop("c", Span(0, 8))])
     assert verdict.liar == "liar" and "own computation" in verdict.evidence
     assert swarm.referee.blocks == [0]  # it lies from the first block: bisected to it, computed here once
-    assert swarm.forwards <= 2 + 1 + 2 * 2 * 3  # the check, the recomputation, two halves by each side per level
+    # the check and the claim, both sides' recomputations, then two halves by each side per level
+    assert swarm.forwards <= 2 + 2 + 2 * 2 * 3
+
+
+def test_an_honest_checker_is_judged_on_its_own_answers_only():
+    """The checker's outputs before the chunk are the hop's own (they agreed then, within the tolerance): a hop that
+    skewed them by half the tolerance and lies from the chunk on cannot make the checker look self-contradicting."""
+    swarm = Swarm({"liar": Span(0, 4), "c": Span(0, 4)}, liars={"liar": "other"})
+    start = 2
+    want = swarm.compute(Hop("c", Span(0, 4)), X)
+    skewed = want[:, :start] * (1 + TOL / 2)  # what the hop returned before, kept as the checker's
+    claimed = swarm.compute(Hop("liar", Span(0, 4)), X)
+    claimed[:, :start] = skewed
+    verdict = asyncio.run(arbiter.settle(swarm, "liar", "float32", [Hop("c", Span(0, 4))], [X],
+                                         [torch.cat([skewed, want[:, start:]], 1)], claimed, None, TOL, start))
+    assert verdict.liar == "liar" and "c" not in swarm.failures.convicted
 
 
 def test_a_hop_whose_own_recomputation_agrees_with_its_checkers_lied_in_its_session():
