@@ -111,6 +111,7 @@ def test_a_peer_forgetting_busy_sessions_is_banned_not_replayed_again_and_again(
         forgetful = trust_swarm.procs["forgetful"].peer_id
         wait_until(lambda: model.connection.run(client.refresh(force=True)) or forgetful in client.offers, 30,
                    "the forgetful peer's record to be seen", interval=0.5)
+        client.bans.lift(forgetful)  # a ping that timed out under load is not what this test is about
         client.measurements.step(forgetful, rtt_ms=0.1, compute_ms=0.1, tokens=1, blocks=3)  # the route's choice
         with caplog.at_level(logging.INFO, logger="client"):
             got, failovers, _ = greedy_logits(model)
@@ -130,6 +131,8 @@ def test_a_peer_that_stalls_costs_a_machine_one_deadline(trust_swarm, tiny_llama
             client = model.connection.client
             wait_until(lambda: model.connection.run(client.refresh(force=True)) or stall in client.offers, 30,
                        "the stalling peer's record to be seen", interval=0.5)
+            if first:
+                client.bans.lift(stall)  # a ping that timed out under load is not what this test is about
             assert client.bans.banned(stall) is not first  # the second client knows it from the first
             got, failovers, _ = greedy_logits(model)
             assert client.bans.reasons[stall] == "stalled"
