@@ -59,6 +59,22 @@ def lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def measure_rate(url: str, headers: dict[str, str], nbytes: int) -> float:
+    """Bytes/s a server sends, timed on the first `nbytes` of `url` (a range request); raises what the request
+    raised."""
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    started, got = time.perf_counter(), 0
+    with get_session().stream("GET", url, follow_redirects=True, timeout=TIMEOUT_S,
+                              headers={**headers, "Range": f"bytes=0-{nbytes - 1}"}) as response:
+        hf_raise_for_status(response)
+        for block in response.iter_bytes():
+            got += len(block)
+            if got >= nbytes:
+                break
+    return got / max(time.perf_counter() - started, 1e-6)
+
+
 def fetch(url: str, headers: dict[str, str], partial: Path, size: int, sha256: str, what: str,
           stop: threading.Event | None = None) -> str:
     """Download `url` into `partial` (resuming it): "done" when it holds exactly the file `sha256` names,

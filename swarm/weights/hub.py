@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,24 +279,14 @@ class HubModel:
             return self.rate
         self.probed = True
         from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        from huggingface_hub.utils import build_hf_headers
 
         url = hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.hub.endpoint)
-        started = time.perf_counter()
         try:
-            got = 0
-            with get_session().stream("GET", url, follow_redirects=True, timeout=30,
-                                      headers={**build_hf_headers(token=self.hub.token),
-                                               "Range": f"bytes=0-{nbytes - 1}"}) as response:
-                hf_raise_for_status(response)
-                for block in response.iter_bytes():
-                    got += len(block)
-                    if got >= nbytes:
-                        break
+            self.rate = download.measure_rate(url, build_hf_headers(token=self.hub.token), nbytes)
         except Exception as exc:  # noqa: BLE001 - the hub's speed is a hint: without it nothing is compared
             logger.info("%s: the hub's speed could not be measured (%s)", self, type(exc).__name__)
             return None
-        self.rate = got / max(time.perf_counter() - started, 1e-6)
         logger.info("%s: the hub sends %.1f MiB/s", self, self.rate / 2**20)
         return self.rate
 
