@@ -20,7 +20,7 @@ from swarm.net import discovery, wire
 from swarm.net.transport import Node, describe_peer
 from swarm.weights.digest import local_hashes
 from swarm.weights.download import Progress
-from swarm.weights.hub import RepoFile
+from swarm.weights.hub import PROBE_BYTES, RepoFile
 from swarm.weights.models import Weights
 from swarm.weights.share import MIN_FETCH_RATE, FileShare, fetch_file, find_holders
 
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 FETCH_LIMIT_S = 6 * 3600.0  # one file from peers at most (a slow holder is dropped long before: share.MIN_FETCH_RATE)
 HOLDERS_TIMEOUT_S = 5.0  # peers asked what they hold answer within this or count as holding nothing
 HUB_FRACTION = 0.25  # a holder sending slower than this share of the hub's speed is left for the hub
+PROBE_MIN_BYTES = 32 * PROBE_BYTES  # files at least this large have the hub's speed measured first (the probe
+# then costs the hub at most 1/32 of what sharing saves it; a smaller file's holder is held to MIN_FETCH_RATE)
 
 
 def min_rate(hub_rate: float | None) -> float:
@@ -130,7 +132,8 @@ class Sharing:
                 return False
             random.shuffle(holders)
             part.parent.mkdir(parents=True, exist_ok=True)
-            slowest = min_rate(await asyncio.to_thread(hub.probe_rate, info.name))
+            big = info.size >= PROBE_MIN_BYTES
+            slowest = min_rate(await asyncio.to_thread(hub.probe_rate, info.name) if big else None)
             started = time.monotonic()
             logger.info("fetching %s of %s (%.1f MiB) from %d peers that hold it (each at %.1f MiB/s at least)",
                         info.name, hub, info.size / 2**20, len(holders), slowest / 2**20)
