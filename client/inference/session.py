@@ -251,7 +251,8 @@ class InferenceSession:
             link = self.live.links[i]
             self.live.close_in_background(link)
             new_hops = await self._replace(i, exclude=self.avoid)  # opened and replayed at the next step
-            self.failovers.append(Failover(str(link.hop.span), link.hop.peer, "wrong_output", new_hops, 0.0))
+            reason = "wrong_output" if link.hop.peer in convicted else lie.reason
+            self.failovers.append(Failover(str(link.hop.span), link.hop.peer, reason, new_hops, 0.0))
         self.live.truncate(back)
         self.length = back
         self.verifier.rollback(back)

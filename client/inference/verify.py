@@ -73,6 +73,7 @@ class Lie:
     position: int  # the first position whose output disagreed
     distance: float
     checker: str
+    reason: str = "wrong_output"  # else why its outputs there count as unchecked (it failed to recompute them)
 
 
 @dataclass
@@ -336,7 +337,8 @@ class Verifier:
                 self.client.failures.convict(primary)
             logger.warning("peer %s returned wrong outputs for blocks %s at position %d (off by %.3g, checked "
                            "at %s)", describe_peer(primary), span, first, distance, checker)
-            self._found(Lie(primary, span, first, distance, checker))
+            self._found(Lie(primary, span, first, distance, checker,
+                            "wrong_output" if verdict.convicted else "failed_recompute"))
         elif verdict.liar is not None:
             if verdict.convicted:
                 self.client.failures.convict(verdict.liar)
