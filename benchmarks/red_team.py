@@ -108,7 +108,8 @@ def run(path: Path, attack: str, ids: torch.Tensor, want: list[int], args) -> di
                     row["errors"].append(f"{type(e).__name__}: {e}"[:200])
                 row["times"].append(time.perf_counter() - started)
                 row["framed"] += any(swarm_client.bans.banned(p) for p in honest)
-                row["convicted"] += len(set(liars) & swarm_client.failures.convicted)
+                row["convicted"] += len({p for p in liars if p in swarm_client.failures.convicted
+                                         or swarm_client.bans.reasons.get(p) == "stalled"})
                 row["referee"] += swarm_client.referee.runs
         log(f"{attack}: {row['right']} right, {row['wrong']} wrong, {row['failed']} failed, {row['framed']} framed, "
             f"median {statistics.median(row['times']):.1f} s; errors {row['errors'][:2]}")
@@ -170,6 +171,17 @@ def slot_holders(net: LocalSwarm, path: Path, peers: list[str]):
                 loop.run(node.__aexit__(None, None, None), timeout=30)
 
 
+def cpu() -> str:
+    """The CPU's model and the flags that decide its speed here (`lscpu` says the same)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return "CPU unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return f"{model}, {' '.join(f for f in ('avx2', 'avx512_vnni', 'avx512_bf16', 'amx_tile') if f in flags)}"
+
+
 def honest_tokens(path: Path, ids: torch.Tensor, count: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
@@ -193,23 +205,25 @@ def main() -> None:
     want = honest_tokens(path, ids, args.tokens)
     rows = {attack: run(path, attack, ids, want, args) for attack in args.attacks}
     base = statistics.median(rows["none"]["times"]) if "none" in rows else None
-    lines = ["### Trust: red team", "",
-             f"Machine: {machine()}. `python benchmarks/red_team.py` (the module docstring says each attack). Demo "
+    lines = [f"Machine: {machine()} ({cpu()}). `python benchmarks/red_team.py` (the module docstring says each attack). Demo "
              "model on 127.0.0.1, honest peers serving [0:15) and [15:30) (one core each); each generation "
              f"({args.tokens} greedy tokens) by a fresh client that prefers the liars' route when they serve one. "
              "Right / wrong with no error / failed with an error: the text against transformers'. Honest peers "
              "banned: clients that banned an honest peer (for any reason). Liars convicted: over all clients. "
-             "Blocks computed here: the clients' own block computations that settled disputes. Extra time: median "
-             "generation time against the same swarm with no liar.", "",
+             "Attackers caught: over all clients, liars convicted and stalling peers avoided (`stalled`: by the first "
+             "client that met them, then by the machine's later clients from their start). Blocks computed here: the "
+             "clients' own block computations that settled disputes. Time: median and slowest generation, and the "
+             "median against the same swarm with no liar.", "",
              "| attack | identities | right | wrong, no error | failed, with error | clients that banned an honest "
-             "peer | liars convicted | blocks computed here | median time (s) | vs no liar |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "peer | attackers caught | blocks computed here | median time (s) | slowest (s) | vs no liar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for attack, row in rows.items():
         count = ATTACKS[attack][1]
         median = statistics.median(row["times"])
         ratio = f"{median / base:.2f}x" if base else "-"
         lines.append(f"| {attack} | {count} | {row['right']} | {row['wrong']} | {row['failed']} | {row['framed']} | "
-                     f"{row['convicted']} of {count * args.generations} | {row['referee']} | {median:.1f} | {ratio} |")
+                     f"{row['convicted']} of {count * args.generations} | {row['referee']} | {median:.1f} | "
+                     f"{max(row['times']):.1f} | {ratio} |")
     print(write_section("red-team", lines))
 
 
