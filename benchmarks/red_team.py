@@ -205,7 +205,8 @@ def main() -> None:
     want = honest_tokens(path, ids, args.tokens)
     rows = {attack: run(path, attack, ids, want, args) for attack in args.attacks}
     base = statistics.median(rows["none"]["times"]) if "none" in rows else None
-    lines = [f"Machine: {machine()} ({cpu()}). `python benchmarks/red_team.py` (the module docstring says each attack). Demo "
+    lines = [f"Machine: {machine()} ({cpu()}). `python benchmarks/red_team.py` (the module docstring says each "
+             "attack). Demo "
              "model on 127.0.0.1, honest peers serving [0:15) and [15:30) (one core each); each generation "
              f"({args.tokens} greedy tokens) by a fresh client that prefers the liars' route when they serve one. "
              "Right / wrong with no error / failed with an error: the text against transformers'. Honest peers "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from swarm.model.blocks import SpanBlocks
+from swarm.files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +100,7 @@ class CapacityCache:
         data = self._read()
         data[key] = asdict(cost)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(self.path)  # atomic: peers starting together never read half a file
+            write_json(self.path, data, indent=1, sort_keys=True)  # peers starting together never read half a file
         except OSError as e:
             logger.warning("could not cache the block cost in %s: %s", self.path, e)
 

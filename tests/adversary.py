@@ -43,8 +43,8 @@ from swarm.model import blocks
 from swarm import cli
 from swarm.net import messages
 
-MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "forgetful", "stall", "zeros",
-         "constant", "nan")
+MODES = ("tamper-push", "blackhole", "noisy", "liar", "self-contradicting", "other-weights", "forgetful", "stall",
+         "zeros", "constant", "nan")
 DEGENERATE = {
     "zeros": torch.zeros_like,
     "constant": lambda x: (x.pow(2).mean(-1, keepdim=True).sqrt()).expand_as(x).contiguous(),

@@ -17,8 +17,8 @@ only by evidence no accuser can make:
    (step 2). If every piece agrees, P's pieces chained must agree with its whole-span recomputation;
    otherwise nobody lied (the pieces' rounding added up past the tolerance).
 2. Bisection, on stateless answers only: both sides compute the first half of T on their input and the second
-   half on their own first half's output; a side whose halves contradict its answer for T is convicted. The half where they
-   disagree is kept (for the second half, each side's input is its own first-half output) until one
+   half on their own first half's output; a side whose halves contradict its answer for T is convicted. The
+   half where they disagree is kept (for the second half, each side's input is its own first-half output) until one
    block is left, which the client computes on each side's input: a side that disagrees with that lied.
    About 2 log2(|T|) forwards of at most |T| blocks by each side, then one block here.
 3. Without a referee (no checkpoint at hand, or its weights cannot be had), the dispute stays open: neither
@@ -85,7 +85,7 @@ class Failed(Exception):
         self.peer = peer
 
 
-async def settle(client, primary: str, fmt: str, checkers: list[Hop], inputs: list[torch.Tensor],
+async def settle(client, primary: str, checkers: list[Hop], inputs: list[torch.Tensor],
                  outputs: list[torch.Tensor], claimed: torch.Tensor, mask: torch.Tensor | None,
                  tol: float, start: int = 0) -> Verdict:
     """Who lied, P (`primary`) or one of `checkers` (module docstring). `inputs[j]`, `outputs[j]`: what checker
@@ -147,8 +147,11 @@ async def bisect(client, sides: tuple[str, str], span: Span, inputs: tuple[torch
 
 async def _referee(client, sides, span, inputs, claims, mask, tol) -> Verdict:
     referee = getattr(client, "referee", None)
-    truth = None if referee is None else await referee.run(span.start, inputs[0], mask)
-    truths = [truth, truth if inputs[1] is inputs[0] or truth is None else await referee.run(span.start, inputs[1], mask)]
+    truths = [None, None]
+    if referee is not None:  # the second side's input is the first's, or its own (after a half they agreed on)
+        truths[0] = await referee.run(span.start, inputs[0], mask)
+        same = inputs[1] is inputs[0] or truths[0] is None
+        truths[1] = truths[0] if same else await referee.run(span.start, inputs[1], mask)
     if any(t is None for t in truths):
         logger.warning("peers %s and %s disagree about block %d, and it cannot be computed here: the dispute stays "
                        "open", describe_peer(sides[0]), describe_peer(sides[1]), span.start)

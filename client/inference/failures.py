@@ -76,6 +76,29 @@ def caught_lying(missing: Sequence[int], offers: Iterable, bans) -> dict[str, st
     return {p: LIES[reason] for p, reason in liars.items()}
 
 
+class Expiring:
+    """Keys, each kept for a while: `add(key, seconds)`, `discard(key)`, `key in`, `live()` (those not expired)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.until: dict = {}
+
+    def add(self, key, seconds: float) -> None:
+        self.until[key] = self.clock() + seconds
+
+    def discard(self, key) -> None:
+        self.until.pop(key, None)
+
+    def __contains__(self, key) -> bool:  # one key's expiry only: asked on every chained step
+        return self.until.get(key, -float("inf")) > self.clock()
+
+    def live(self) -> set:
+        now = self.clock()
+        for key in [k for k, until in self.until.items() if until <= now]:
+            del self.until[key]
+        return set(self.until)
+
+
 @dataclass
 class FailurePolicy:
     """What this client knows about failures across requests: peers proven (they completed a step for
@@ -85,11 +108,14 @@ class FailurePolicy:
     ban: Callable[[str, str, float | None], None]
     max_retries: int
     proven: set[str] = field(default_factory=set)
-    unchained: dict[tuple[str, str], float] = field(default_factory=dict)  # (upstream, downstream) -> until when
-    # peers proven to have returned wrong outputs -> when the conviction ends (with their ban)
-    convictions: dict[str, float] = field(default_factory=dict)
-    disputes: dict[frozenset[str], float] = field(default_factory=dict)  # open disputes -> when they are forgotten
     clock: Callable[[], float] = time.monotonic
+    convictions: Expiring = field(init=False)  # peers proven to have returned wrong outputs (until their ban ends)
+    disputes: Expiring = field(init=False)  # open disputes, as pairs of peers
+    unchained: Expiring = field(init=False)  # (upstream, downstream) pairs not chained
+
+    def __post_init__(self) -> None:
+        # through `clock` as it is when asked (tests move it)
+        self.convictions, self.disputes, self.unchained = (Expiring(lambda: self.clock()) for _ in range(3))
 
     def succeeded(self, peer: str) -> None:
         self.proven.add(peer)
@@ -101,44 +127,34 @@ class FailurePolicy:
     @property
     def convicted(self) -> set[str]:
         """Peers proven to have returned wrong outputs, whose conviction has not ended."""
-        now = self.clock()
-        for peer in [p for p, until in self.convictions.items() if until <= now]:
-            del self.convictions[peer]
-        return set(self.convictions)
+        return self.convictions.live()
 
     def convict(self, liar: str) -> None:
         """`liar` returned wrong outputs (its own answers or the client's computation prove it): banned for
         `LIAR_BAN_S`; its disputes end."""
         self.ban(liar, "wrong_output", LIAR_BAN_S)
-        self.convictions[liar] = self.clock() + LIAR_BAN_S
-        for pair in [pair for pair in self.disputes if liar in pair]:
-            del self.disputes[pair]
+        self.convictions.add(liar, LIAR_BAN_S)
+        for pair in [pair for pair in self.disputes.live() if liar in pair]:
+            self.disputes.discard(pair)
 
     def dispute(self, a: str, b: str) -> None:
         """`a` and `b` computed different outputs for the same inputs and nothing could tell which is right:
         neither is banned, and neither checks the other for `DISPUTE_S`."""
-        self.disputes[frozenset((a, b))] = self.clock() + DISPUTE_S
+        self.disputes.add(frozenset((a, b)), DISPUTE_S)
 
     def disputed(self, peer: str) -> set[str]:
         """The peers `peer` disagreed with, unresolved and not forgotten."""
-        now = self.clock()
-        for pair in [pair for pair, until in self.disputes.items() if until <= now]:
-            del self.disputes[pair]
-        return {other for pair in self.disputes if peer in pair for other in pair - {peer}}
+        return {other for pair in self.disputes.live() if peer in pair for other in pair - {peer}}
 
     def chain_mismatch(self, upstream: str, downstream: str) -> None:
         """`downstream` says it computed on other input than `upstream`'s output: the pair is not chained again
         for `LIAR_BAN_S` (module docstring); nobody is banned."""
-        self.unchained[(upstream, downstream)] = self.clock() + LIAR_BAN_S
+        self.unchained.add((upstream, downstream), LIAR_BAN_S)
         logger.warning("peer %s says peer %s pushed it other input than it returned: the client relays between "
                        "them from now on", describe_peer(downstream), describe_peer(upstream))
 
     def chainable(self, upstream: str, downstream: str) -> bool:
-        until = self.unchained.get((upstream, downstream))
-        if until is not None and until <= self.clock():
-            del self.unchained[(upstream, downstream)]
-            until = None
-        return until is None
+        return (upstream, downstream) not in self.unchained
 
 
 @dataclass

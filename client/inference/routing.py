@@ -199,24 +199,18 @@ class Bans:
         self.reasons: dict[str, str] = {}
         self.fixed: set[str] = set()  # banned for a set time that neither a success nor a ping lifts
 
-    def ban(self, peer: str, reason: str, seconds: float | None = None) -> float:
-        """Ban `peer` for the usual backoff, or for `seconds` (a peer caught lying: no success lifts it)."""
+    def ban(self, peer: str, reason: str, seconds: float | None = None, fixed: bool = True) -> float:
+        """Ban `peer` for the usual backoff, or for `seconds`: then, if `fixed`, as a peer caught lying (no success
+        lifts it), else as a failure (a success, or a ping when nothing else serves its blocks, lifts it)."""
         count = self.failures.get(peer, 0) + 1
         self.failures[peer] = count
         if seconds is None:
             seconds = min(self.base * 2.0 ** min(count - 1, 60), self.limit)
-        else:
+        elif fixed:
             self.fixed.add(peer)
         self.until[peer] = max(self.until.get(peer, -math.inf), self.clock() + seconds)
         self.reasons[peer] = reason
         return seconds
-
-    def avoid(self, peer: str, reason: str, seconds: float) -> None:
-        """Ban `peer` for `seconds` as a failure, not a lie: a success, or a ping when nothing else serves its
-        blocks, lifts it."""
-        self.failures[peer] = self.failures.get(peer, 0) + 1
-        self.until[peer] = max(self.until.get(peer, -math.inf), self.clock() + seconds)
-        self.reasons[peer] = reason
 
     def banned(self, peer: str) -> bool:
         return self.until.get(peer, -math.inf) > self.clock()

@@ -12,13 +12,12 @@ the same moment may lose one entry, which costs one more deadline.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
+
+from swarm.files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +49,10 @@ class StallMemory:
         entries[peer] = max(entries.get(peer, 0.0), self.clock() + seconds)
         now = self.clock()
         kept = sorted(((p, u) for p, u in entries.items() if u > now), key=lambda e: -e[1])[:KEEP]
-        tmp = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{NAME}.")
-            with os.fdopen(fd, "w") as f:
-                json.dump(dict(kept), f)
-            os.replace(tmp, self.path)
+            write_json(self.path, dict(kept))
         except OSError as e:
             logger.debug("could not remember stalled peers in %s: %s", self.path, e)
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
     def _read(self) -> dict[str, float]:
         try:

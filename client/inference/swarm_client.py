@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PINGS = 32  # peers pinged at once at most: per refresh, per round of `route`, per second chance
 PING_ROUNDS = 3  # rounds of pings a route may take to replace unproven peers by peers that answered
-SECOND_CHANCE = ("timeout", "connection_lost", "stalled")  # bans lifted by a successful ping when there is no other route
+SECOND_CHANCE = ("timeout", "connection_lost", "stalled")  # bans a successful ping lifts when there is no other route
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class SwarmClient:
         self.bans = Bans(base=config.ban_seconds)
         self.failures = FailurePolicy(self.ban, config.max_retries)
         for peer, left in (self.stalls.load() if self.stalls is not None else {}).items():
-            self.bans.avoid(peer, "stalled", left)
+            self.bans.ban(peer, "stalled", left, fixed=False)
         self.offers: dict[str, Offer] = {}
         self.states: dict[str, PeerState] = {}
         self.own_load: Counter[str] = Counter()  # hops of this client's sessions at each peer
@@ -148,13 +148,12 @@ class SwarmClient:
         completed a step for this client has *stalled*: avoided for `stalls.STALL_S`, by this machine's later
         clients too (`client.inference.stalls`)."""
         again = self.bans.banned(peer)  # e.g. a second-chance ping failing each second of a wait: said once
-        if reason == "timeout" and seconds is None and peer not in self.failures.proven:
+        stalled = reason == "timeout" and seconds is None and peer not in self.failures.proven
+        if stalled:
             reason, seconds = "stalled", STALL_S
-            self.bans.avoid(peer, reason, seconds)
             if self.stalls is not None:
                 self.stalls.remember(peer, seconds)
-        else:
-            seconds = self.bans.ban(peer, reason, seconds)
+        seconds = self.bans.ban(peer, reason, seconds, fixed=not stalled)
         logger.log(logging.DEBUG if again else logging.INFO, "peer %s failed (%s): avoided for %.0f s",
                    describe_peer(peer), reason, seconds)
 

@@ -318,8 +318,8 @@ class Verifier:
         piece_inputs += piece_outputs[:-1]
         claimed = torch.cat([outputs[:, :start], want], 1)[:, :upto]
         tol = self._tolerance(span, shadow, start)
-        verdict = await settle(self.client, primary, self.client.offer(primary).format, shadow.hops, piece_inputs,
-                               piece_outputs, claimed, None if mask is None else mask[:, :upto], tol, start)
+        verdict = await settle(self.client, primary, shadow.hops, piece_inputs, piece_outputs, claimed,
+                               None if mask is None else mask[:, :upto], tol, start)
         if verdict.liar is None and verdict.other is None and shadow.verified == start and shadow.cut >= upto:
             # rounding: every piece agreed with the hop's own recomputation up to `first`; on from there
             self._keep(shadow, [out[:, :upto - start] for out in outs], start)

@@ -12,14 +12,12 @@ multiaddrs to join through, for peers not already among the initial ones.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
+from swarm.files import write_json
 from swarm.net.identity import public_key_of
 from swarm.net.reach import dialable, is_global_addr
 
@@ -93,16 +91,10 @@ class KnownPeers:
                 if peer not in exclude for addr in v["addrs"]]
 
     def _write(self, data: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".known-peers-")
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
+            write_json(self.path, data, indent=1)
         except OSError as e:
             logger.warning("cannot write the known peers file %s: %s", self.path, e)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 __all__ = ["KnownPeers", "path_for", "dialable", "MAX_PEERS"]

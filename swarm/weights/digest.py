@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from swarm.files import write_json
 from swarm.errors import CheckpointError
 from swarm.weights.hub import INDEX, SINGLE, HubModel, sha256_of
 
@@ -71,10 +72,7 @@ class HashCache:
         if self.path is None or not self.dirty:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.entries))
-            tmp.replace(self.path)
+            write_json(self.path, self.entries)
         except OSError as exc:
             logger.warning("could not keep file hashes in %s: %s", self.path, exc)
 

@@ -66,7 +66,8 @@ def honest_ids(net) -> set[str]:
 def framed(client, net) -> set[str]:
     """Honest peers the client convicted or banned as liars. (A loaded machine may make an honest peer miss a
     deadline, recomputing a piece in a settlement too: that is a failure with its usual short ban, not a verdict.)"""
-    return {p for p in honest_ids(net) if p in client.failures.convicted or client.bans.reasons.get(p) == "wrong_output"}
+    convicted = client.failures.convicted
+    return {p for p in honest_ids(net) if p in convicted or client.bans.reasons.get(p) == "wrong_output"}
 
 
 def route_first(model, hops: list[Hop]) -> None:
@@ -166,7 +167,8 @@ def test_a_liar_that_contradicts_only_itself_is_convicted_by_its_own_pieces(piec
     liar = pieces.start_peer("self-contradicting", tiny_llama, "--blocks", "0:6", *PEER_OPTIONS,
                              program=adversary("self-contradicting"))
     try:
-        with DistributedModelForCausalLM.from_pretrained(tiny_llama, pieces.bootstrap_addrs, model_id=MODEL_ID) as model:
+        with DistributedModelForCausalLM.from_pretrained(tiny_llama, pieces.bootstrap_addrs,
+                                                         model_id=MODEL_ID) as model:
             client = model.connection.client
             client.referee = None  # its own answers are proof enough
             seen(model, liar.peer_id)

@@ -83,7 +83,7 @@ def settle(swarm: Swarm, primary: str, checkers: list[Hop]):
     whole = Span(checkers[0].span.start, checkers[-1].span.end)
     claimed = swarm.compute(Hop(primary, whole), X) if swarm.liars.get(primary) in ("whole", "other") else \
         X + len(whole) + (torch.randn_like(X) if primary in swarm.session_liars else 0)
-    return asyncio.run(arbiter.settle(swarm, primary, "float32", checkers, inputs, outputs, claimed, None, TOL))
+    return asyncio.run(arbiter.settle(swarm, primary, checkers, inputs, outputs, claimed, None, TOL))
 
 
 @pytest.mark.parametrize("kind", ["noisy", "other"])
@@ -112,7 +112,7 @@ def test_an_honest_checker_is_judged_on_its_own_answers_only():
     skewed = want[:, :start] * (1 + TOL / 2)  # what the hop returned before, kept as the checker's
     claimed = swarm.compute(Hop("liar", Span(0, 4)), X)
     claimed[:, :start] = skewed
-    verdict = asyncio.run(arbiter.settle(swarm, "liar", "float32", [Hop("c", Span(0, 4))], [X],
+    verdict = asyncio.run(arbiter.settle(swarm, "liar", [Hop("c", Span(0, 4))], [X],
                                          [torch.cat([skewed, want[:, start:]], 1)], claimed, None, TOL, start))
     assert verdict.liar == "liar" and "c" not in swarm.failures.convicted
 
