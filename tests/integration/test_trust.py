@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from adversary import adversary
+from client.inference.routing import Hop
 from client.model import DistributedModelForCausalLM
 from swarm.local.launch import wait_until
+from swarm.span import Span
 from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm
 
 pytestmark = pytest.mark.integration
@@ -53,6 +55,22 @@ def only_through(model: DistributedModelForCausalLM, net: LocalSwarm, first: str
             client.ban(net.procs[name].peer_id, "test", 600.0)
     if fallback_ban:
         client.ban(net.procs[fallback].peer_id, "test", fallback_ban)
+
+
+def through(client, peer: str, net: LocalSwarm) -> None:
+    """Make the client's first route for all blocks go through `peer` for [0:3), then `tail` (as its claim would,
+    whatever a loaded machine made of its ping)."""
+    original, tail = client.route, net.procs["tail"].peer_id
+    client.bans.lift(peer)
+
+    async def first(span=None, **kwargs):
+        if span is None or span == client.span:
+            client.route = original
+            await client.refresh()
+            return [Hop(peer, Span(0, 3)), Hop(tail, Span(3, 6))]
+        return await original(span, **kwargs)
+
+    client.route = first
 
 
 def greedy_logits(model, steps: int = DECODE):
@@ -111,8 +129,7 @@ def test_a_peer_forgetting_busy_sessions_is_banned_not_replayed_again_and_again(
         forgetful = trust_swarm.procs["forgetful"].peer_id
         wait_until(lambda: model.connection.run(client.refresh(force=True)) or forgetful in client.offers, 30,
                    "the forgetful peer's record to be seen", interval=0.5)
-        client.bans.lift(forgetful)  # a ping that timed out under load is not what this test is about
-        client.measurements.step(forgetful, rtt_ms=0.1, compute_ms=0.1, tokens=1, blocks=3)  # the route's choice
+        through(client, forgetful, trust_swarm)
         with caplog.at_level(logging.INFO, logger="client"):
             got, failovers, _ = greedy_logits(model)
         assert client.bans.reasons.get(forgetful) == "unknown_session", caplog.text
@@ -132,7 +149,7 @@ def test_a_peer_that_stalls_costs_a_machine_one_deadline(trust_swarm, tiny_llama
             wait_until(lambda: model.connection.run(client.refresh(force=True)) or stall in client.offers, 30,
                        "the stalling peer's record to be seen", interval=0.5)
             if first:
-                client.bans.lift(stall)  # a ping that timed out under load is not what this test is about
+                through(client, stall, trust_swarm)
             assert client.bans.banned(stall) is not first  # the second client knows it from the first
             got, failovers, _ = greedy_logits(model)
             assert client.bans.reasons[stall] == "stalled"
