@@ -16,7 +16,7 @@ from client.inference import peer_session
 from client.model import DistributedModelForCausalLM
 from swarm.net import discovery
 from swarm.model.blocks import SpanBlocks
-from swarm.errors import Busy, OutOfCache, SwarmError, UnknownSession
+from swarm.errors import Busy, ConnectionLost, OutOfCache, SwarmError, UnknownSession
 from swarm.span import Span
 from swarm_harness import MODEL_ID, LocalSwarm, client_node, wait_until
 
@@ -175,10 +175,11 @@ def test_free_identities_holding_every_slot_at_their_share_cannot_lock_a_newcome
         assert got.tolist() == expected.tolist()
 
         async def gone(s: peer_session.PeerSession) -> bool:
-            """Whether the peer closed it (its step in flight when it was taken may still have been answered)."""
+            """Whether the peer closed it (its step in flight when it was taken may still have been answered); a
+            session told so has its stream closed by the peer after that answer."""
             try:
                 await s.step(torch.randn(1, 1, 64), 62)
-            except UnknownSession:
+            except (UnknownSession, ConnectionLost):
                 return True
             return False
 
