@@ -8,7 +8,7 @@ TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test install clean browser
+.PHONY: demo test install clean system
 
 install: $(TEST_STAMP)
 
@@ -28,15 +28,19 @@ $(TEST_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/swarm demo
 
-test: $(TEST_STAMP) browser
+test: $(TEST_STAMP) system
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The health page's browser test drives Debian's Chromium (never a downloaded browser). As root, install
-# it when missing; otherwise stop here with the command to run.
+# What the tests need from the system: Debian's Chromium for the health page's browser test (never a
+# downloaded browser), iproute2 and nftables for the internet in a box (hosts in network namespaces). As
+# root, install what is missing; otherwise the browser test stops here with the command to run, and the box's
+# tests say what they miss.
 CHROMIUM := /usr/bin/chromium
-browser:
-	@if [ ! -x $(CHROMIUM) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
+system:
+	@missing=""; [ -x $(CHROMIUM) ] || missing="$$missing chromium"; \
+	command -v nft >/dev/null || missing="$$missing nftables"; command -v ip >/dev/null || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi
 	@test -x $(CHROMIUM) || { echo "make test: Chromium is missing; the health page's browser test needs it." \
 		"Install it with: sudo apt-get install -y chromium" >&2; exit 1; }
 

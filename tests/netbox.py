@@ -5,11 +5,20 @@
         home = box.home("alice", uplink_mbit=20)  # behind its own NAT router; nothing reaches it unasked
         proc = box.spawn(home, [sys.executable, "-m", "swarm", ...])
 
-Layout: one namespace holds the public segment (a bridge); each public host and each home's router gets a
-veth into it with an address in `PUBLIC_NET`. A home is two namespaces: a router (WAN address on the segment,
+Layout: one namespace holds the public segment, a router: each public host and each home's router gets a
+veth into it with an address in `PUBLIC_NET` (on-link for them: the segment answers their ARP for every
+address by proxy, and routes each packet by a host route per address). A home is two namespaces: a router (WAN address on the segment,
 LAN `192.168.N.1`, forwarding on, nftables masquerade out of the WAN, and a forward and input policy that
 drops what is not `ct state established,related` or from the LAN) and the host behind it (`192.168.N.2`,
-default route via the router). `uplink_mbit` caps the router's WAN egress with `tc tbf` (a home uplink).
+default route via the router). `uplink_mbit` caps the router's WAN egress with `tc tbf` (a home uplink), or a
+public host's own.
+
+Distance: a box made with regions (`Box(regions={"eu": 1.0, "us": 1.0}, between_ms=30.0)`: one-way ms
+within each region, and between any two, or per pair `{("eu", "us"): 30.0}`) puts each host in one
+(`public(name, region="eu")`), and every packet crossing the segment is held for the one-way delay between
+its ends' regions by `box_delay.py`, a process in the segment's namespace reading a TUN device: a round
+trip between regions takes twice `between_ms`, whatever process, protocol or port, and NAT sees the
+packets as without it. `set_delay` changes a delay while the box runs.
 
 The public segment uses `11.0.0.0/24`, not a documentation range: libp2p treats documentation and
 benchmarking ranges (192.0.2/24, 198.18/15, 198.51.100/24, 203.0.113/24) as unroutable, and would then
@@ -28,16 +37,22 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PUBLIC_NET = "11.0.0"  # /24; .1 is unused, hosts from .2
 PREFIX = "sbx"
 STOP_S = 5.0  # per process, SIGTERM then SIGKILL
+DELAYER = Path(__file__).resolve().parent / "box_delay.py"
+TUN = "dly0"
+DELAY_TABLE = "200"
 _boxes = itertools.count()  # boxes made by this process: two at once get different names
 
 ROUTER_RULES = """
@@ -96,6 +111,7 @@ class Host:
     public: bool
     router_ns: str | None = None
     wan_address: str | None = None  # the router's public address (what others see), for a home
+    region: str | None = None
 
     @property
     def seen_as(self) -> str:
@@ -105,12 +121,15 @@ class Host:
 
 @dataclass
 class Box:
+    regions: dict[str, float] = field(default_factory=dict)  # region -> one-way ms within it
+    between_ms: float | dict[tuple[str, str], float] = 0.0  # one-way ms between regions (any two, or per pair)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{next(_boxes)}")
     namespaces: list[str] = field(default_factory=list)
     hosts: dict[str, Host] = field(default_factory=dict)
     procs: list[subprocess.Popen] = field(default_factory=list)
     _next_public: int = 2
     _next_home: int = 1
+    _delayer: subprocess.Popen | None = None
 
     def __post_init__(self):
         reason = available()
@@ -120,8 +139,10 @@ class Box:
         atexit.register(self.close)  # before the first namespace: a failure below leaves none behind either
         try:
             self.wan = self._namespace("wan")
-            _in(self.wan, "ip", "link", "add", "br0", "type", "bridge")
-            _in(self.wan, "ip", "link", "set", "br0", "up")
+            for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
+                _in(self.wan, "sysctl", "-q", "-w", key)
+            if self.regions:
+                self._start_delayer()
         except BaseException:
             self.close()
             raise
@@ -141,24 +162,78 @@ class Box:
         _in(ns, "ip", "link", "set", "lo", "up")
         return ns
 
+    def _start_delayer(self) -> None:
+        """`box_delay.py` on a TUN in the segment's namespace, and the rules that pass every routed packet
+        through it once (packets coming out of the TUN take the main table)."""
+        self._delayer = self.spawn(Host("segment", self.wan, "", True), [sys.executable, str(DELAYER), TUN],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        if self._delayer.stdout.readline().strip() != "ready":
+            raise BoxError(f"the delayer did not start (exit code {self._delayer.poll()})")
+        for argv in (("ip", "link", "set", TUN, "up"), ("sysctl", "-q", "-w", f"net.ipv4.conf.{TUN}.rp_filter=0"),
+                     ("ip", "route", "add", "default", "dev", TUN, "table", DELAY_TABLE),
+                     ("ip", "rule", "add", "pref", "100", "iif", TUN, "lookup", "main"),
+                     ("ip", "rule", "add", "pref", "200", "lookup", DELAY_TABLE)):
+            _in(self.wan, *argv)
+        names = sorted(self.regions)
+        for a in names:
+            for b in names:
+                if a <= b:
+                    self.set_delay(a, b, self.regions[a] if a == b else self._between(a, b))
+
+    def _between(self, a: str, b: str) -> float:
+        if isinstance(self.between_ms, dict):
+            return self.between_ms.get((a, b), self.between_ms.get((b, a), 0.0))
+        return self.between_ms
+
+    def _tell(self, line: str) -> str:
+        self._delayer.stdin.write(line + "\n")
+        answer = self._delayer.stdout.readline().strip()
+        if answer.startswith("error") or not answer:
+            raise BoxError(f"delayer: {line!r}: {answer or 'no answer'}")
+        return answer
+
+    def set_delay(self, a: str, b: str, one_way_ms: float) -> None:
+        """The one-way delay between regions `a` and `b` (within one when equal), from now on."""
+        if a not in self.regions or b not in self.regions:
+            raise BoxError(f"unknown region in {a!r}, {b!r} (the box has {sorted(self.regions)})")
+        self._tell(f"delay {a} {b} {one_way_ms}")
+
+    def delay_stats(self) -> dict:
+        """Packets (and bytes held) per pair of regions, `source>dest`, as the delayer counted them."""
+        return json.loads(self._tell("stats"))
+
+    def _region(self, region: str | None, address: str) -> str | None:
+        if not self.regions:
+            if region is not None:
+                raise BoxError(f"region {region!r} in a box made without regions")
+            return None
+        if region not in self.regions:
+            raise BoxError(f"a host of this box needs one of the regions {sorted(self.regions)} (got {region!r})")
+        self._tell(f"host {address} {region}")
+        return region
+
     def _plug(self, ns: str, ifname: str, address: str) -> None:
-        """A veth from `ns` (named `ifname`, with `address`/24) into the public bridge."""
+        """A veth from `ns` (named `ifname`, with `address`/24) into the public segment, which routes to it."""
         peer = f"v{len(self.namespaces)}{ifname[:3]}"
         _in(self.wan, "ip", "link", "add", peer, "type", "veth", "peer", "name", ifname, "netns", ns)
-        _in(self.wan, "ip", "link", "set", peer, "master", "br0", "up")
+        _in(self.wan, "ip", "link", "set", peer, "up")
+        _in(self.wan, "sysctl", "-q", "-w", f"net.ipv4.conf.{peer}.proxy_arp=1", f"net.ipv4.neigh.{peer}.proxy_delay=0")
+        _in(self.wan, "ip", "route", "add", f"{address}/32", "dev", peer)
         _in(ns, "ip", "addr", "add", f"{address}/24", "dev", ifname)
         _in(ns, "ip", "link", "set", ifname, "up")
 
-    def public(self, name: str) -> Host:
+    def public(self, name: str, *, region: str | None = None, uplink_mbit: float | None = None) -> Host:
         """A host on the public segment: everyone reaches it."""
         ns = self._namespace(name)
         address = f"{PUBLIC_NET}.{self._next_public}"
         self._next_public += 1
         self._plug(ns, "eth0", address)
-        host = self.hosts[name] = Host(name, ns, address, public=True)
+        if uplink_mbit:
+            self.cap(ns, "eth0", uplink_mbit)
+        host = self.hosts[name] = Host(name, ns, address, public=True, region=self._region(region, address))
         return host
 
-    def home(self, name: str, *, uplink_mbit: float | None = None) -> Host:
+    def home(self, name: str, *, region: str | None = None, uplink_mbit: float | None = None) -> Host:
         """A host behind its own NAT router: it reaches the public segment; nothing reaches it unasked."""
         index = self._next_home
         self._next_home += 1
@@ -176,7 +251,8 @@ class Box:
         _in(ns, "ip", "route", "add", "default", "via", f"{lan}.1")
         if uplink_mbit:
             self.cap(router, "wan0", uplink_mbit)
-        host = self.hosts[name] = Host(name, ns, f"{lan}.2", public=False, router_ns=router, wan_address=wan_address)
+        host = self.hosts[name] = Host(name, ns, f"{lan}.2", public=False, router_ns=router, wan_address=wan_address,
+                                       region=self._region(region, wan_address))
         return host
 
     @staticmethod
@@ -215,6 +291,10 @@ class Box:
             os.killpg(proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
+        if self._delayer is not None:
+            with contextlib.suppress(Exception):
+                self._delayer.stdin.close()  # its end of commands: it exits (stopped below if not)
+            self._delayer = None
         for proc in reversed(self.procs):
             with contextlib.suppress(Exception):  # teardown goes on whatever one process does
                 self.stop(proc)

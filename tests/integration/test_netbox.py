@@ -1,7 +1,7 @@
 """The internet in a box (`tests/netbox.py`) does what the home-router tests rely on: a home reaches the
 public segment and is seen there as its router's address; nothing reaches a home or its router unasked,
-from the public segment or from another home; an uplink cap holds; `close` and `sweep` leave no
-namespace behind. Plain TCP only (tiny servers and probes, no swarm): a few seconds in all.
+from the public segment or from another home; an uplink cap holds; regions put their delays on every
+packet; `close` and `sweep` leave no namespace behind. Plain TCP only (tiny servers and probes, no swarm): a few seconds in all.
 """
 
 from __future__ import annotations
@@ -195,3 +195,48 @@ def test_sweep_removes_what_a_killed_run_left_and_nothing_else(tmp_path: Path):
     while pid_alive(int(orphan)):
         assert time.monotonic() < deadline, f"process {orphan} left by the killed run still runs"
         time.sleep(0.05)
+
+
+# Opens a TCP connection to HOST:PORT `n` times, one after another; prints the least time a connection took (ms):
+# the SYN and its SYN-ACK, one round trip.
+CONNECT = r"""
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+best = float("inf")
+for _ in range(n):
+    started = time.perf_counter()
+    socket.create_connection((host, port), timeout=10).close()
+    best = min(best, (time.perf_counter() - started) * 1e3)
+print(best)
+"""
+
+
+def test_regions_put_their_delay_on_every_packet_and_nat_still_holds():
+    """Two regions, 5 ms one way within eu, 2 ms within us, 25 ms between: a TCP handshake (one round trip)
+    takes twice the one-way delay of its ends' regions, from a public host or from behind a home router
+    (seen there as the router, nothing reaching the home unasked); a delay changed at run time applies to the
+    next packets; the delayer counted them by pair of regions; closing removes every namespace."""
+    with Box(regions={"eu": 5.0, "us": 2.0}, between_ms=25.0) as box:
+        a, b, c = box.public("a", region="eu"), box.public("b", region="eu"), box.public("c", region="us")
+        home = box.home("h", region="us")
+        for host in (a, b, c):
+            serve(box, host, 9000)
+
+        def rtt(src: Host, dst: Host) -> float:
+            done = box.run(src, [sys.executable, "-c", CONNECT, dst.address, "9000", "3"], timeout=30)
+            assert done.returncode == 0, done.stderr
+            return float(done.stdout)
+
+        within_eu, between, within_us, home_to_eu = rtt(a, b), rtt(a, c), rtt(home, c), rtt(home, a)
+        assert 10 <= within_eu < 10 + 5, within_eu
+        assert 50 <= between < 50 + 5 and 50 <= home_to_eu < 50 + 5, (between, home_to_eu)
+        assert 4 <= within_us < 4 + 5, within_us
+        target = f"{a.address}:9000"
+        assert probe(box, home, target) == {target: f"reply {home.seen_as}"}
+        assert probe(box, a, f"{home.wan_address}:9000")[f"{home.wan_address}:9000"] == "timeout"
+        box.set_delay("eu", "us", 10.0)
+        assert 20 <= rtt(a, c) < 20 + 5
+        stats = box.delay_stats()
+        assert {"eu>eu", "eu>us", "us>eu", "us>us"} <= set(stats) and all(s["packets"] > 0 for s in stats.values())
+        tag = box.tag
+    assert not {ns for ns in namespaces() if ns.startswith(f"{tag}-")}
