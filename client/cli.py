@@ -10,7 +10,7 @@ from pathlib import Path
 
 from client.config import ClientConfig
 from swarm.config import from_args
-from swarm.errors import BadRequest, ConfigError
+from swarm.errors import BadRequest, ConfigError, NoRoute
 
 
 def model_path(args: argparse.Namespace) -> Path | str:
@@ -198,11 +198,15 @@ def run_generate(args: argparse.Namespace) -> int:
     weights = client_weights(args)
     tokenizer = AutoTokenizer.from_pretrained(weights.directory)
     with open_model(args, weights, "generate") as model:
-        print(f"[generate] route: {describe_route(model.route())}", file=sys.stderr)
+        route = model.route()
+        predicted = model.connection.client.route_cost_ms(route)
+        print(f"[generate] route: {describe_route(route)}; predicted {predicted:.1f} ms per token through the swarm",
+              file=sys.stderr)
         stats = stream_answer(model, tokenizer, args.prompt, args, chat=args.chat)
     print(file=sys.stderr)
     drafts = f", {stats['accepted']} of {stats['drafted']} drafted tokens kept" if stats["drafted"] else ""
-    print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s{drafts}",
+    per_token = f" ({1e3 / stats['tokens_per_s']:.1f} ms per token)" if stats["tokens_per_s"] > 0 else ""
+    print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s{per_token}{drafts}",
           file=sys.stderr)
     if note := unchecked_note(stats):
         print(f"[generate] {note}", file=sys.stderr)
@@ -298,11 +302,18 @@ def run_status(args: argparse.Namespace) -> int:
     connection = SwarmConnection(model_id, num_blocks, config, digest=digest)
     try:
         peers, uncovered = connection.run(connection.client.status(), timeout=60)
+        try:
+            route = [] if uncovered else connection.run(connection.client.route(), timeout=60)
+        except NoRoute:  # every server of some block failed its ping just now
+            route = []
+        predicted = connection.client.route_cost_ms(route) if route else None
     finally:
         connection.close()
     if args.json:
         print(json.dumps({"model": model_id, "num_blocks": num_blocks, "uncovered": uncovered,
-                          "peers": [peer_json(p) for p in peers]}, indent=2))
+                          "peers": [peer_json(p) for p in peers],
+                          "route": [{"peer": h.peer, "start": h.span.start, "end": h.span.end} for h in route],
+                          "predicted_ms_per_token": None if predicted is None else round(predicted, 2)}, indent=2))
         return 0
     online = sum(p.state == "online" for p in peers)
     print(f"model {model_id}: {num_blocks} blocks, {len(peers)} peers announced, {online} online")
@@ -320,4 +331,6 @@ def run_status(args: argparse.Namespace) -> int:
               f"{p.reach or '-':<6} {p.throughput:>9.1f} "
               f"{p.cache_tokens_left:>11} {sessions:>8} {queued:>6} {latency:>9}  {p.version}")
     print("uncovered blocks: " + (", ".join(map(str, uncovered)) if uncovered else "none"))
+    if route:
+        print(f"route now: {describe_route(route)}; predicted {predicted:.1f} ms per token through the swarm")
     return 0

@@ -6,8 +6,8 @@
   the only server of some block are pinged (at most `MAX_PINGS`, `ping_timeout` each): one that does
   not answer counts as gone until it announces again (a newer sequence number). That is what lets a
   hole be filled in seconds rather than a TTL.
-- `Links` keeps the round trips to the peers this peer pushes to (an info call each, every announce
-  interval), announced in compact form for the clients' route costs.
+- `Links` keeps the round trips to the peers this peer pushes to and to those serving the block after its
+  span (an info call each, every announce interval), announced in compact form for the clients' route costs.
 """
 
 from __future__ import annotations
@@ -152,13 +152,27 @@ class SwarmView:
 
 
 class Links:
-    """Round trips (ms, moving average) to the peers this one pushes to."""
+    """Round trips (ms, moving average) to the peers this one may pass activations to: those it pushes to,
+    and those online with the same weights serving the block right after its span (the next hop a client
+    may chain it to), at most `MAX_LINKS` in all, pushed-to first."""
 
-    def __init__(self, node: Node, timeout: float = 1.0):
-        self.node, self.timeout = node, timeout
+    def __init__(self, node: Node, model_id: str | None = None, num_blocks: int = 0, digest: str | None = None,
+                 timeout: float = 1.0):
+        self.node, self.model_id, self.num_blocks, self.digest = node, model_id, num_blocks, digest
+        self.timeout = timeout
         self.rtt_ms: dict[str, float] = {}
 
-    async def measure(self, peers: list[str]) -> None:
+    async def next_peers(self, end: int) -> list[str]:
+        """Peers announcing block `end` online with this peer's weights, newest records first."""
+        if self.model_id is None or end >= self.num_blocks:
+            return []
+        found = await discovery.announcements(self.node, self.model_id, self.num_blocks, [end])
+        anns = discovery.same_weights(found, self.digest)[end]
+        return [a.peer for a in anns if a.state == "online" and a.peer != self.node.peer_id]
+
+    async def measure(self, pushed: list[str], end: int | None = None) -> None:
+        """Measure the links to `pushed` and, with `end` (this peer's span end), to the peers serving it."""
+        peers = list(dict.fromkeys(pushed + (await self.next_peers(end) if end is not None else [])))
         peers = peers[:records.MAX_LINKS]
         results = await asyncio.gather(*(round_trip_ms(self.node, p, self.timeout) for p in peers))
         for peer, ms in zip(peers, results):

@@ -212,7 +212,7 @@ class Peer:
         self.precision = precision or Precision.of(config.device, config.dtype, config.quant)
         self.memory = memory_blocks(ckpt, config, self.precision)
         self.view = SwarmView(node, model_id, ckpt.num_blocks, digest=digest)
-        self.links = Links(node)
+        self.links = Links(node, model_id, ckpt.num_blocks, digest)
         self.movable = config.blocks is None and config.rebalance
         self.rng = random.Random()
         self.servicer: Servicer | None = None
@@ -338,8 +338,8 @@ class Peer:
                 self._drain(now)
                 if now >= next_announce:
                     next_announce = now + config.announce_interval
-                    if self.servicer.pusher is not None:
-                        await self.links.measure(self.servicer.pusher.targets())
+                    if self.servicer.pusher is not None:  # a peer that does not push has no links to announce
+                        await self.links.measure(self.servicer.pusher.targets(), self.span.end)
                     await self.announce("online")
                 if self.movable and now >= next_check:
                     next_check = now + config.check_interval

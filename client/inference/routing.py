@@ -6,9 +6,12 @@ block scaled by its load: `block_ms * (1 + LOAD_WEIGHT * load)`, where load coun
 there (the larger of what it announced and what this client holds there itself: the announcement
 includes ours once the peer re-announces) plus the steps it announced waiting for compute. A peer
 batches the decode steps of its sessions, so each extra session slows every step by a share of a step,
-not a whole one. The delay of a hop is the client's delay to its peer; when chaining, a later hop's
-delay is the round trip the previous hop's peer announced to it (`Offer.links`), where it did.
-Figures the client measured itself win over what peers announce.
+not a whole one. The delay of a hop is the client's round trip to its peer. When chaining, activations go
+client -> first peer -> ... -> last peer -> client, so a route costs one way around that loop: each link
+the previous hop's peer announced to the next (`Offer.links`) replaces half of each of the two client round
+trips it saves (`chain_correction_ms`); with no links known, a chained route costs what it would relayed.
+Peers near each other but far from the client win where their links say so; replicas near the client win
+over equal ones elsewhere. Figures the client measured itself win over what peers announce.
 
 What a peer announces is believed only as far as the client checked it, since anyone can sign records
 for as many identities as they like (Sybils) and claim any speed:
@@ -26,10 +29,10 @@ for as many identities as they like (Sybils) and claim any speed:
 
 Eligible peers are online, not banned, not excluded by the caller (e.g. slow for this session) and,
 when a session needs cache, announce (or were last measured with) room for it. If some block has no
-eligible peer there is no route, and `NoRoute` names the blocks; otherwise Dijkstra over (block
-boundary, last peer) finds the cheapest chain (the last peer only matters for peers announcing
-links). Ties: fewer hops, then peer id, so choices are reproducible; with an `rng`, a random order of
-the peers instead (seeded per session: equal replicas share the load, reproducibly).
+eligible peer there is no route, and `NoRoute` names the blocks; otherwise the cheapest path over
+(block boundary, last peer), boundary by boundary, is the route (the last peer only matters for peers
+announcing links). Ties: fewer hops, then peer id, so choices are reproducible; with an `rng`, a random
+order of the peers instead (seeded per session: equal replicas share the load, reproducibly).
 
 Also pure and here: `BlockWait`, how long a session goes on asking for a route while blocks have no
 live peer, and the check a session makes once, after its first decode steps, of whether its route is
@@ -38,7 +41,6 @@ much slower than assumed (`slower_than_assumed`, `worth_switching`).
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import time
@@ -158,6 +160,11 @@ class Measurements:
         figures = self.peers.get(peer)
         return None if figures is None else figures.delay_ms.value
 
+    def delay_or_assumed(self, peer: str) -> float:
+        """The measured round trip, else `UNMEASURED_DELAY_MS`."""
+        delay = self.delay_ms(peer)
+        return UNMEASURED_DELAY_MS if delay is None else delay
+
     def measured_block_ms(self, peer: str) -> float | None:
         """Compute per block from the peer's own decode steps; None before the first."""
         figures = self.peers.get(peer)
@@ -184,8 +191,7 @@ class Measurements:
 
     def expected_ms(self, offer: Offer, blocks: int, tokens: int) -> float:
         """How long a step of `tokens` through `blocks` of this peer should take, network included."""
-        delay = self.delay_ms(offer.peer)
-        return (UNMEASURED_DELAY_MS if delay is None else delay) + tokens * blocks * self.block_ms(offer)
+        return self.delay_or_assumed(offer.peer) + tokens * blocks * self.block_ms(offer)
 
 
 class Bans:
@@ -257,19 +263,32 @@ def link_ms(before: Offer | None, peer: str) -> float | None:
     return ms if isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0 else None
 
 
+def chain_correction_ms(before: Offer | None, offer: Offer, measurements: Measurements) -> float:
+    """What a chained hop from `before`'s peer to `offer`'s saves on the client's relaying, priced as half
+    of each round trip (one way): the activations take the link `before` announced (L / 2) instead of going
+    back to the client (d(before) / 2) and out again (d(offer) / 2). So a chained route costs one way around
+    its loop, client to first peer, peer to peer, last peer back; with no link known, as relayed. 0 when
+    `before` announced no link to this peer."""
+    linked = link_ms(before, offer.peer)
+    if linked is None:
+        return 0.0
+    return (linked - measurements.delay_or_assumed(before.peer) - measurements.delay_or_assumed(offer.peer)) / 2
+
+
 def hop_cost_ms(offer: Offer, blocks: int, measurements: Measurements, own: Mapping[str, int] = NO_LOAD,
                 before: Offer | None = None, chain: bool = False) -> float:
-    """A hop's cost: its delay (from the client, or from the previous hop's peer when chaining and that peer
-    announced a link to this one) plus its blocks' compute under load."""
-    delay = link_ms(before, offer.peer) if chain else None
-    if delay is None:
-        delay = measurements.delay_ms(offer.peer)
-    return (UNMEASURED_DELAY_MS if delay is None else delay) + blocks * block_cost_ms(offer, measurements, own)
+    """A hop's cost: the client's round trip to its peer (less what a link from the previous hop's peer saves,
+    when chaining) plus its blocks' compute under load."""
+    delay = measurements.delay_or_assumed(offer.peer)
+    if chain:
+        delay += chain_correction_ms(before, offer, measurements)
+    return delay + blocks * block_cost_ms(offer, measurements, own)
 
 
 def route_cost_ms(hops: Sequence[Hop], offers: Mapping[str, Offer], measurements: Measurements,
                   own: Mapping[str, int] = NO_LOAD, chain: bool = False) -> float:
-    """The cost `find_route` gives a route: the sum of its hops' costs."""
+    """The cost `find_route` gives a route: the sum of its hops' costs, the predicted time of one decode
+    token through it (network and compute)."""
     total, before = 0.0, None
     for hop in hops:
         offer = offers.get(hop.peer) or Offer(hop.peer, hop.span)
@@ -300,37 +319,35 @@ def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, 
     by_peer = {o.peer: o for o in usable}
     priced = []  # per offer: compute per block under load, the client's delay, unproven (0/1), next state
     for offer in usable:
-        delay = measurements.delay_ms(offer.peer)
-        priced.append((offer, block_cost_ms(offer, measurements, own), UNMEASURED_DELAY_MS if delay is None else delay,
-                       int(delay is None), offer.peer if chain and offer.links else ""))
-    # Dijkstra over states (boundary, last peer): the last peer is kept only when its links can price the
-    # next hop ('' otherwise), so without links this is Dijkstra over boundaries. Cost: (blocks at unproven
+        priced.append((offer, block_cost_ms(offer, measurements, own), measurements.delay_or_assumed(offer.peer),
+                       int(not measurements.proven(offer.peer)), offer.peer if chain and offer.links else ""))
+    # The cheapest path over states (boundary, last peer), boundary by boundary (every hop moves forward, so
+    # this order is topological, and a hop may cost less than nothing: see `chain_correction_ms`); the last
+    # peer is kept only when its links can price the next hop ('' otherwise). Cost: (blocks at unproven
     # peers, ms, hops, ranks).
     start = (span.start, "")
     best: dict[tuple[int, str], tuple[int, float, int, tuple]] = {start: (0, 0.0, 0, ())}
     came: dict[tuple[int, str], tuple[tuple[int, str], Offer]] = {}
-    queue = [(0, 0.0, 0, (), start)]
-    while queue:
-        unproven, cost, hops, key, state = heapq.heappop(queue)
-        here, last = state
-        if best.get(state) != (unproven, cost, hops, key) or here == span.end:
-            continue
-        before = by_peer.get(last) if last else None
-        for offer, per_block, delay, doubt, after in priced:
-            if not offer.span.start <= here < offer.span.end:
-                continue
-            linked = None if before is None else link_ms(before, offer.peer)
-            hop_ms = delay if linked is None else linked
-            if prefer is not None and offer.format != prefer:
-                hop_ms += FORMAT_PENALTY_MS
-            ranks = key + (rank[offer.peer],)
-            for there in range(here + 1, min(offer.span.end, span.end) + 1):
-                blocks = there - here
-                entry = (unproven + doubt * blocks, cost + hop_ms + blocks * per_block, hops + 1, ranks)
-                target = (there, after)
-                if target not in best or entry < best[target]:
-                    best[target], came[target] = entry, (state, offer)
-                    heapq.heappush(queue, (*entry, target))
+    at: dict[int, set[str]] = {span.start: {""}}  # boundary -> last peers of the states reached there
+    for here in range(span.start, span.end):
+        for last in sorted(at.pop(here, ())):
+            state = (here, last)
+            unproven, cost, hops, key = best[state]
+            before = by_peer.get(last) if last else None
+            for offer, per_block, delay, doubt, after in priced:
+                if not offer.span.start <= here < offer.span.end:
+                    continue
+                hop_ms = delay + chain_correction_ms(before, offer, measurements)
+                if prefer is not None and offer.format != prefer:
+                    hop_ms += FORMAT_PENALTY_MS
+                ranks = key + (rank[offer.peer],)
+                for there in range(here + 1, min(offer.span.end, span.end) + 1):
+                    blocks = there - here
+                    entry = (unproven + doubt * blocks, cost + hop_ms + blocks * per_block, hops + 1, ranks)
+                    target = (there, after)
+                    if target not in best or entry < best[target]:
+                        best[target], came[target] = entry, (state, offer)
+                        at.setdefault(there, set()).add(after)
     state = min((s for s in best if s[0] == span.end), key=best.__getitem__)
     route = []
     while state != start:

@@ -7,16 +7,21 @@ are only decoded. Expired records never come back from the DHT.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from swarm.net import records
 from swarm.net.transport import Node
 
 
-async def announcements(node: Node, model_id: str, num_blocks: int) -> dict[int, list[records.Announcement]]:
-    """For each block: the announcements stored under it (any state), newest first per peer."""
-    keys = [records.block_key(model_id, b) for b in range(num_blocks)]
+async def announcements(node: Node, model_id: str, num_blocks: int,
+                        blocks: Iterable[int] | None = None) -> dict[int, list[records.Announcement]]:
+    """For each block (of `blocks`, or all `num_blocks`): the announcements stored under it (any state),
+    newest first per peer."""
+    blocks = list(range(num_blocks) if blocks is None else blocks)
+    keys = [records.block_key(model_id, b) for b in blocks]
     found = await node.get_records(keys)
     out: dict[int, list[records.Announcement]] = {}
-    for block, key in enumerate(keys):
+    for block, key in zip(blocks, keys):
         anns = []
         for subkey, (value, _expiration) in found.get(key, {}).items():
             try:

@@ -12,12 +12,13 @@ import torch
 
 from client.inference import peer_session
 from client.model import DistributedModelForCausalLM
-from swarm.net import messages, wire
+from swarm.net import discovery, messages, wire
 from swarm.errors import BadRequest, NotServing
 from swarm.net.identity import Identity
 from swarm.net.integrity import push_tag
+from swarm.net.records import LINK_ID_CHARS
 from swarm.span import Span
-from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node
+from swarm_harness import MODEL_ID, PEER_OPTIONS, LocalSwarm, client_node, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +65,22 @@ def test_chained_steps_equal_relayed_and_local(swarm, tiny_llama, local):
     # (relayed too); every decode step after that is one chain of 3 hops
     assert hops["sent"] + hops["pushed"] == 3 * (1 + DECODE) and hops["pushed"] >= 2 * (DECODE - 2), hops
     assert relayed_hops == {"sent": 3 * (1 + DECODE), "pushed": 0}
+
+
+def test_a_peer_announces_its_round_trips_to_the_next_peers_before_any_client_chains_it(chain_swarm, loop):
+    """A client prices a chained route by the links peers announce (`routing.chain_correction_ms`): a pushing
+    peer measures the peers serving the block after its span, with no route through it yet; a peer that does
+    not push announces none (its next hop is the client's)."""
+    a, b = (chain_swarm.procs[n].peer_id for n in ("a", "b"))
+
+    def links_once_a_names_b() -> dict[str, dict | None] | None:
+        anns = loop.run(discovery.announcements(node, MODEL_ID, 6, [0, 2]))
+        newest = {ann.peer: ann.links for block in (0, 2) for ann in anns[block][:1]}
+        return newest if b[-LINK_ID_CHARS:] in (newest.get(a) or {}) else None
+
+    with client_node(loop, chain_swarm.bootstrap_addrs) as node:
+        found = wait_until(links_once_a_names_b, 15, "a's record to carry its round trip to b")
+    assert 0 < found[a][b[-LINK_ID_CHARS:]] < 1000 and not found[b]
 
 
 def test_a_peer_that_does_not_push_hands_its_next_hop_to_the_client(chain_swarm, tiny_llama, local):

@@ -408,10 +408,39 @@ def test_chained_hops_are_priced_by_the_link_the_previous_peer_announced():
     assert peers(route(offers, Span(0, 6), m)) == [A, B]
     assert peers(route(offers, Span(0, 6), m, chain=True)) == [A, C]  # A reaches C in 2 ms, B in 40 ms
     by_peer = {o.peer: o for o in offers}
-    assert route_cost_ms([Hop(A, Span(0, 3)), Hop(C, Span(3, 6))], by_peer, m, chain=True) == 10 + 3 + 2 + 3
+    # one way around the loop: client -> A, A -> C, C -> client, and the compute
+    assert route_cost_ms([Hop(A, Span(0, 3)), Hop(C, Span(3, 6))], by_peer, m, chain=True) == 10 / 2 + 3 + 2 / 2 + 30 / 2 + 3
+    assert route_cost_ms([Hop(A, Span(0, 3)), Hop(C, Span(3, 6))], by_peer, m) == 10 + 3 + 30 + 3  # relayed
     # a link to a peer it does not name: the client's delay to that peer
     no_link = [Offer(A, Span(0, 3), links={"zzzzzzzz": 1.0}), Offer(B, Span(3, 6)), Offer(C, Span(3, 6))]
     assert peers(route(no_link, Span(0, 6), m, chain=True)) == [A, B]
+
+
+def test_two_peers_near_the_client_but_far_apart_lose_to_a_pair_near_each_other():
+    near_a, near_b, far_c, far_d = "12D3KooWnearAAAAAAAA", "12D3KooWnearBBBBBBBB", "12D3KooWfarCCCCCCCC", "12D3KooWfarDDDDDDDD"
+    m = measured(**{near_a: (5.0, 1.0, 3), near_b: (5.0, 1.0, 3), far_c: (20.0, 1.0, 3), far_d: (20.0, 1.0, 3)})
+    offers = [Offer(near_a, Span(0, 3), links={near_b[-8:]: 200.0}), Offer(near_b, Span(3, 6)),
+              Offer(far_c, Span(0, 3), links={far_d[-8:]: 2.0}), Offer(far_d, Span(3, 6))]
+    assert peers(route(offers, Span(0, 6), m)) == [near_a, near_b]  # relayed, the client's delays decide
+    # chained: 5/2 + 200/2 + 5/2 against 20/2 + 2/2 + 20/2
+    assert peers(route(offers, Span(0, 6), m, chain=True)) == [far_c, far_d]
+    by_peer = {o.peer: o for o in offers}
+    assert route_cost_ms([Hop(far_c, Span(0, 3)), Hop(far_d, Span(3, 6))], by_peer, m, chain=True) == 21 + 6
+    # no links at all: a chained route costs what it would relayed
+    bare = [Offer(o.peer, o.span) for o in offers]
+    assert peers(route(bare, Span(0, 6), m, chain=True)) == [near_a, near_b]
+    assert route_cost_ms([Hop(near_a, Span(0, 3)), Hop(near_b, Span(3, 6))], {o.peer: o for o in bare}, m,
+                         chain=True) == 10 + 6
+
+
+def test_a_link_that_saves_more_than_its_hop_costs_is_still_priced_right():
+    # A is far from the client and alone on [0:3); its link to B is short, so the hop to B costs less than
+    # nothing on its own (B's answer need not travel back through A's long client link)
+    m = measured(**{A: (100.0, 1.0, 3), B: (10.0, 1.0, 3), C: (5.0, 1.0, 3)})
+    offers = [Offer(A, Span(0, 3), links={B[-8:]: 1.0}), Offer(B, Span(3, 6)), Offer(C, Span(3, 6))]
+    assert peers(route(offers, Span(0, 6), m, chain=True)) == [A, B]  # 100/2 + 1/2 + 10/2 against 100 + 5
+    assert route_cost_ms([Hop(A, Span(0, 3)), Hop(B, Span(3, 6))], {o.peer: o for o in offers}, m,
+                         chain=True) == 50 + 0.5 + 5 + 6
 
 
 def test_the_first_hop_costs_the_clients_delay_whatever_links_say():
