@@ -199,7 +199,7 @@ class SwarmClient:
         If no chain exists, the view is re-read once; then peers banned for timing out or for a lost
         connection get one ping each (a peer that answers is forgiven), since a slow moment or a transient
         dial failure must not end a generation that has no alternative: peers that answered before first,
-        `MAX_PINGS` at most. Still nothing: `NoRoute` naming the missing blocks.
+        then those that timed out, `MAX_PINGS` at most. Still nothing: `NoRoute` naming the missing blocks.
         """
         span = span or self.span
         await self.refresh()
@@ -210,9 +210,14 @@ class SwarmClient:
         try:
             return await self._proven_route(span, cache_tokens, exclude, rng, prefer)
         except NoRoute:
+            # peers that answered before first, then those that were slow (alive, likely) before those that could
+            # not be reached (a record with nothing behind it fails so), in random order within each: with more
+            # of them than one round pings, a fixed order could leave a live one out every time
             timed_out = sorted((p for p, o in self.offers.items() if self.bans.banned(p) and p not in exclude
                                 and self.bans.reasons.get(p) in SECOND_CHANCE and o.span.start < span.end
-                                and span.start < o.span.end), key=lambda p: not self.measurements.proven(p))
+                                and span.start < o.span.end),
+                               key=lambda p: (not self.measurements.proven(p),
+                                              self.bans.reasons.get(p) == "connection_lost", random.random()))
             if not timed_out:
                 raise
             timed_out = timed_out[:MAX_PINGS]

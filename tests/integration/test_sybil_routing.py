@@ -89,8 +89,9 @@ def test_fresh_clients_route_around_record_only_sybils(honest_swarm, sybils, tin
             try:
                 got = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
             except NoRoute as e:
-                got = e
-            outcomes.append((got == expected, round(time.monotonic() - started, 1), str(got)[:200]))
+                swarm = model.connection.client
+                got = f"{e}; honest peers' bans: {[swarm.bans.reasons.get(p) for p in honest]}"
+            outcomes.append((got == expected, round(time.monotonic() - started, 1), str(got)[-300:]))
             if got != expected:
                 continue
             swarm = model.connection.client
