@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,9 @@ def test_generate_command_streams_text(demo_swarm, demo_model_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout
     assert "route: head -> [0:10)" in done.stderr and "tokens/s" in done.stderr
+    predicted = re.search(r"predicted ([0-9.]+) ms per token", done.stderr)
+    measured = re.search(r"tokens/s \(([0-9.]+) ms per token\)", done.stderr)
+    assert predicted and measured and float(predicted.group(1)) > 0 and float(measured.group(1)) > 0, done.stderr
 
 
 def test_chat_command_answers(demo_swarm, demo_model_dir):
@@ -90,8 +94,11 @@ def test_status_command_shows_every_peer(demo_swarm, demo_model_dir):
     assert sorted((p["start"], p["end"]) for p in peers.values()) == [(0, 10), (10, 20), (20, 30)]
     assert all(p["state"] == "online" and p["latency_ms"] > 0 and p["throughput"] > 0 for p in peers.values())
     assert status["uncovered"] == [] and status["num_blocks"] == 30
+    assert [(h["start"], h["end"]) for h in status["route"]] == [(0, 10), (10, 20), (20, 30)]
+    assert {h["peer"] for h in status["route"]} == set(peers) and status["predicted_ms_per_token"] > 0
     table = swarm_command("status", "--model", str(demo_model_dir), "--initial-peers", *demo_swarm.bootstrap_addrs)
     assert "uncovered blocks: none" in table.stdout and table.stdout.count(" online ") == 3
+    assert re.search(r"route now: head -> \[0:10\) at .* predicted [0-9.]+ ms per token", table.stdout), table.stdout
 
 
 def session_members(sid: int) -> list[int]:
