@@ -12,8 +12,9 @@ the public nodes it knows) and is announced under its relayed addresses. A publi
 within limits (`RelayLimits`), so that strangers' circuits never exhaust it. The daemon punches holes
 (DCUtR) when AutoNAT is on; a relayed connection is upgraded to a direct one where the routers allow.
 
-The same protocol's `addrs` request returns a node's own dialable addresses: how a node learns where the
-peers it met can be found again (`swarm.net.known_peers`).
+The same protocol's `addrs` request returns a node's own dialable addresses (how a node learns where the
+peers it met can be found again, `swarm.net.known_peers`) and whether it relays with its own limits
+(`swarm.net.relays`); `peers` returns the public peers it met, with two addresses each: relay candidates.
 
 Messages are one JSON object each way, 4-byte big-endian length first, 4 KiB at most.
 """
@@ -41,6 +42,7 @@ ASK_TIMEOUT_S = DIAL_TIMEOUT_S + 3.0  # the asker's wait for a helper's answer
 MAX_HELPERS = 3  # helpers asked at once
 HELPER_INTERVAL_S = 2.0  # a helper dials the same asker at most this often
 MAX_DIALS = 8  # dial-backs a helper runs at once
+MAX_PEERS_ANSWERED = 12  # peers met, in one `peers` answer (within MAX_MESSAGE)
 PUBLIC, PRIVATE, UNKNOWN, LOCAL = "public", "private", "unknown", "local"
 
 
@@ -180,9 +182,11 @@ def is_private_addr(maddr: str) -> bool:
 class Helper:
     """The answering side: dial-backs bounded per asker and in number; the node's own addresses."""
 
-    def __init__(self, observed_ip, own_addrs):
+    def __init__(self, observed_ip, own_addrs, relay_state=lambda: None, known=dict):
         self._observed_ip = observed_ip  # async (peer id) -> the IP its connection comes from, or None
         self._own_addrs = own_addrs  # async () -> this node's dialable multiaddrs
+        self._relay_state = relay_state  # () -> whether it relays with its own limits (None: unknown, or no relay)
+        self._known = known  # () -> the peers met: {peer id: {"addrs": [...], "seen": t, ...}}
         self._last: dict[str, float] = {}  # per IP asked for: peer ids cost nothing, addresses do
         self._dialing = 0
 
@@ -196,7 +200,10 @@ class Helper:
         if "dial" in request:
             await send(writer, await self._dial(remote, request["dial"]))
         elif request.get("addrs"):
-            await send(writer, {"addrs": (await self._own_addrs())[:8]})
+            await send(writer, {"addrs": (await self._own_addrs())[:8], "relay": self._relay_state()})
+        elif request.get("peers"):  # the public peers met, most recently seen first: relay candidates
+            met = sorted(self._known().items(), key=lambda kv: -kv[1]["seen"])[:MAX_PEERS_ANSWERED]
+            await send(writer, {"peers": {peer: v["addrs"][:2] for peer, v in met}})
         else:
             await send(writer, {"error": "unknown request"})
 

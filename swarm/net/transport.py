@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.net import presence, reach, reaper
+from swarm.net import presence, reach, reaper, relays
 from swarm.net.dht_glue import hm as _hm, key_id  # noqa: F401 (key_id: part of this module's interface)
 from swarm.net.dht_glue import make_validator as _make_validator, validate_entries as _validate_entries
 from swarm.net.known_peers import KnownPeers
@@ -102,15 +102,6 @@ def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "::1")
 
 
-def _relay_refusal(error: str) -> str:
-    """What a relay's refusal in a dial error means, for the error's reader ("" when there is none)."""
-    if "RESOURCE_LIMIT_EXCEEDED" in error:
-        return " (the relay is at its limit of circuits to this peer: it refuses new ones while the open ones go on)"
-    if "NO_RESERVATION" in error:
-        return " (the peer holds no slot on that relay any more)"
-    return ""
-
-
 def _with_flags(extra: dict):
     """hivemind's `P2P._make_process_args` with more daemon flags (the relay's limits, static relays)."""
     make = _hm().P2P._make_process_args
@@ -148,6 +139,7 @@ class Node:
         self.known = KnownPeers(Path(known_peers)) if known_peers else None
         self.reach, self.reach_why = reach.UNKNOWN, ""  # how others reach this node (local on one machine)
         self.relays: list[str] = []  # ids of the relays this node is reachable through
+        self.relay_checked: bool | None = None  # a public relay: whether its own limits serve (`relays.check`)
         self.counters = {"accepted": 0, "rejected": 0}
         self._p2p = self._dht = self._reaper = self._watch = None
         self._port = port
@@ -190,7 +182,8 @@ class Node:
                                        f"and reachable at {', '.join(self._joined_through)}?") from None
             self._dht.protocol._validate_dictionary = functools.partial(_validate_entries, self._dht.protocol)
             if not self.client_mode:
-                helper = reach.Helper(self._observed_ip, self.dialable_maddrs)
+                helper = reach.Helper(self._observed_ip, self.dialable_maddrs, lambda: self.relay_checked,
+                                      self.known.load if self.known is not None else dict)
                 await self.serve(reach.REACH_PROTOCOL, lambda s: helper.handle(s.reader, s.writer, s.remote))
             if not self.local:
                 self._watch = asyncio.create_task(presence.watch(self), name="reachability watch")
@@ -208,17 +201,19 @@ class Node:
         announce = None
         if self.announce_host or self.announce_port:
             announce = [f"/ip4/{self.announce_host or self.host}/tcp/{self.announce_port or self.port}"]
-        p2p_class = type("SwarmP2P", (hm.P2P,), {"_make_process_args": _with_flags(extra)}) if extra else hm.P2P
+        p2p_class = self.p2p_class(extra)
+        self._settings = (kwargs, extra)
         with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
             key_path = self._identity_path
             if key_path is None:  # ephemeral identity: the daemon reads the file at start only
                 key_path = Path(tmp) / "identity.key"
                 self.identity.save(key_path)
             try:
-                self._p2p = await p2p_class.create(
-                    initial_peers=list(initial) or None, host_maddrs=host_maddrs, announce_maddrs=announce,
-                    identity_path=str(key_path), check_if_identity_free=False,
-                    dht_mode="client" if self.client_mode else "server", **kwargs)
+                with relays.ours_last(extra.get("relayService") == 1):
+                    self._p2p = await p2p_class.create(
+                        initial_peers=list(initial) or None, host_maddrs=host_maddrs, announce_maddrs=announce,
+                        identity_path=str(key_path), check_if_identity_free=False,
+                        dht_mode="client" if self.client_mode else "server", **kwargs)
             except hm.P2PDaemonError as e:
                 if "bootstrap" in str(e):
                     raise SwarmUnreachable(f"cannot reach any initial peer ({', '.join(initial)}); is the "
@@ -230,6 +225,17 @@ class Node:
                                         stdin=subprocess.PIPE)
         if str(self._p2p.peer_id) != self.peer_id:
             raise RuntimeError(f"transport daemon runs as {self._p2p.peer_id}, expected {self.peer_id}")
+
+    @staticmethod
+    def p2p_class(extra: dict):
+        """The transport daemon's class, started with these extra daemon flags."""
+        return type("SwarmP2P", (_hm().P2P,), {"_make_process_args": _with_flags(extra)}) if extra else _hm().P2P
+
+    async def _restart_daemon(self, kwargs: dict | None = None, extra: dict | None = None) -> None:
+        """Stop the daemon and start it again with these settings (default: the last ones), while joining."""
+        kwargs, extra = (kwargs, extra) if kwargs is not None else self._settings
+        await self._stop_for_restart()
+        await self._start_daemon(kwargs, extra, self._joined_through)
 
     async def _join(self) -> None:
         """Join off this machine: through the initial peers, else the peers met before; then find out how this
@@ -279,10 +285,12 @@ class Node:
             self.reach, self.reach_why = await reach.check(self._open_rw, await self.connected_peer_ids(),
                                                            self.announce_port or self._port)
         logger.info("reachability: %s (%s)", self.reach, self.reach_why)
-        if self.reach in (reach.PUBLIC, reach.PRIVATE) and self.reachability == "auto":
-            kwargs, extra = reach.daemon_settings(self.reach, relays=given + met, limits=self.relay)
-            await self._stop_for_restart()
-            await self._start_daemon(kwargs, extra, self._joined_through)
+        if self.reach in (reach.PUBLIC, reach.PRIVATE):
+            chosen = await relays.choose(self, given + met) if self.reach == reach.PRIVATE else given + met
+            if self.reachability == "auto" or chosen != given + met:
+                await self._restart_daemon(*reach.daemon_settings(self.reach, relays=chosen, limits=self.relay))
+            if self.reach == reach.PUBLIC and self.relay is not None:
+                await relays.ensure_own(self, self._restart_daemon)
 
     async def connected_peer_ids(self) -> list[str]:
         """Ids of the peers this node is connected to, those it joined through first (each once)."""
@@ -482,7 +490,7 @@ class Node:
             _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, protocol)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, _hm().P2PDaemonError,
                 _hm().P2PHandlerError) as e:
-            raise ConnectionLost(f"cannot open {protocol} to peer {describe_peer(peer)}: {e}{_relay_refusal(str(e))}") \
+            raise ConnectionLost(f"cannot open {protocol} to peer {describe_peer(peer)}: {e}{relays.refusal(str(e))}") \
                 from None
         return Stream(reader, writer, peer)
 

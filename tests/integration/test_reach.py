@@ -58,7 +58,8 @@ def test_a_helper_dials_back_only_the_asker_and_says_what_it_found():
                 assert "port must be an integer" in answer["error"]
             assert (await reach.ask(second._open_rw, first.peer_id, {"what": 1}))["error"] == "unknown request"
             # nodes on one machine tell no dialable address: nothing of a local swarm is remembered
-            assert (await reach.ask(second._open_rw, first.peer_id, {"addrs": True})) == {"addrs": []}
+            assert (await reach.ask(second._open_rw, first.peer_id, {"addrs": True})) == {"addrs": [], "relay": None}
+            assert (await reach.ask(second._open_rw, first.peer_id, {"peers": True})) == {"peers": {}}
             assert first.reach == second.reach == reach.LOCAL and first.reached_by is None
         finally:
             await second.__aexit__(None, None, None)

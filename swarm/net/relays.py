@@ -1,0 +1,236 @@
+"""Relays: which ones a NAT'd node reserves slots on, and whether a public node relays with its own limits.
+
+**Choosing.** A NAT'd node reserves slots on up to `RELAYS` public nodes, the nearest by measured round trip
+among those it knows: the peers it is connected to (its initial peers), the public peers they remember
+(`reach` protocol, `peers`), and the peers it met before. Each is asked where it can be dialled (`addrs`),
+timed once connected; one that says its relay is capped (below) is never chosen, one that does not answer is
+not either. With no answer at all, the node falls back to its initial peers and the peers met before. The
+daemon's static relays are exactly these, so all of them are live when it starts: its relay finder waits
+for as many candidates as it was given (minutes, when one of them is dead) before it takes any slot.
+
+**Their limits.** 
+hivemind's daemon runs two relay services on the same protocol: ours, with the limits it is given, created
+once the node is known to be public, and a built-in one with the circuit relay v2 defaults, whose relayed
+connections are reset after 128 KiB each way or 2 minutes. Whichever registers its handler last serves, and
+which one does is a race inside the daemon: measured here, the built-in one won 8 of 10 plain daemon starts
+(and 2 of 5 whole swarms in the box). A session through a capped relay dies as soon as what it carried passes
+128 KiB (about 55 tokens of a 576-wide model in float32), and every retry replays more than that, so it can
+never complete.
+
+The race is the daemon's start: its main goroutine registers the built-in relay right after building the
+host, while ours is registered by a goroutine of the host's own once the host says it is public. With one Go
+thread (`GOMAXPROCS=1`, `ours_last`) the main goroutine runs on until it blocks, after both are set up, so ours
+registers last: 30 of 30 plain daemon starts here, against 2 of 10 without. A relaying node's daemon starts so.
+
+`check(host, port, relay_id)` finds out which one serves: two throwaway daemons on this machine; one listens
+nowhere (so it is reached only through a relay) and holds a slot on the node at host:port, the other connects
+to it through the node and pulls `CHECK_BYTES`. All of it arrives only through our relay. True (ours), False
+(cut short: the built-in one), None (no slot or no circuit in time: unknown). About 1.3 s. A public node with
+relay limits checks at its start (`ensure_own`) and restarts its daemon until ours serves, `RELAY_TRIES`
+times at most; it says what it found in its `addrs` answers (`relay`), and NAT'd nodes skip a capped one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+from swarm.net import reach
+from swarm.net.identity import describe_peer
+
+logger = logging.getLogger("swarm.net.transport")
+
+RELAYS = 3  # slots a NAT'd node reserves
+MAX_CANDIDATES = 12  # public nodes timed when choosing
+RELAY_TRIES = 8  # daemon starts a public node tries for its own relay
+
+CHECK_BYTES = 192 * 1024  # more than the built-in limit (128 KiB), far below ours
+CHECK_PROTOCOL = "/swarm/relay-check/1.0.0"
+SLOT_WAIT_S = 1.0  # the slot holder's reservation, taken at its start (static relay, no discovery)
+CHECK_TIMEOUT_S = 15.0
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class _RawAddr:
+    """A multiaddr as the daemon's client sends it (`to_bytes`). hivemind's multiaddr encodes `/p2p/<id>` as a
+    CID, which the daemon refuses in a circuit address; the daemon wants the bare multihash."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def to_bytes(self) -> bytes:
+        return self.data
+
+
+def circuit_addr(hm, host: str, port: int, relay_id: str) -> _RawAddr:
+    """`/ip4/HOST/tcp/PORT/p2p/RELAY/p2p-circuit`, encoded for the daemon."""
+    relay = hm.PeerID.from_base58(relay_id).to_bytes()
+    p2p, circuit = b"\xa5\x03", b"\xa2\x02"  # the varint codes of p2p (421) and p2p-circuit (290)
+    return _RawAddr(hm.Multiaddr(f"/ip4/{host}/tcp/{port}").to_bytes() + p2p + _varint(len(relay)) + relay + circuit)
+
+
+async def check(host: str, port: int, relay_id: str, p2p_class, size: int = CHECK_BYTES) -> bool | None:
+    """Whether the relay at host:port (this machine's node `relay_id`) carries `size` bytes in one circuit.
+    `p2p_class(flags)`: the transport's daemon class with these extra daemon flags."""
+    from swarm.net.dht_glue import hm
+
+    hm = hm()
+    holder = puller = None
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            holder = await p2p_class({"relayDiscovery": 0, "relayService": 0}).create(no_listen=True, use_auto_relay=True, auto_nat=False,
+                                               force_reachability="private",
+                                               trusted_relays=[f"/ip4/{host}/tcp/{port}/p2p/{relay_id}"])
+            puller = await hm.P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], auto_nat=False)
+
+            async def give(_info, _reader, writer) -> None:
+                with contextlib.suppress(Exception):  # a circuit reset midway is the answer, not an error
+                    writer.write(b"\0" * size)
+                    await writer.drain()
+                writer.close()
+
+            await holder.add_binary_stream_handler(CHECK_PROTOCOL, give)
+            await asyncio.sleep(SLOT_WAIT_S)
+            for attempt in range(3):
+                try:
+                    await puller._client.connect(holder.peer_id, [circuit_addr(hm, host, port, relay_id)])
+                    break
+                except Exception as e:  # boundary: no slot yet (NO_RESERVATION), or a refused dial
+                    logger.debug("relay check: no circuit yet (%s)", e)
+                    await asyncio.sleep(1.0 + attempt)
+            else:
+                return None
+            _, reader, writer = await puller.call_binary_stream_handler(holder.peer_id, CHECK_PROTOCOL)
+            got = 0
+            with contextlib.suppress(Exception):  # a reset circuit ends the read: `got` tells
+                while chunk := await reader.read(65536):
+                    got += len(chunk)
+            writer.close()
+            return got >= size
+    except Exception as e:  # boundary (a timeout included): a check that cannot run says nothing about the relay
+        logger.debug("relay check failed to run: %r", e)
+        return None
+    finally:
+        for daemon in (puller, holder):
+            if daemon is not None:
+                with contextlib.suppress(Exception):
+                    await daemon.shutdown()
+
+
+@contextlib.contextmanager
+def ours_last(active: bool):
+    """While active: daemons started here run one Go thread, so our relay registers last (see the module
+    docstring). The daemon copies the environment when it starts."""
+    before = os.environ.get("GOMAXPROCS")
+    if active:
+        os.environ["GOMAXPROCS"] = "1"
+    try:
+        yield
+    finally:
+        if active:
+            if before is None:
+                os.environ.pop("GOMAXPROCS", None)
+            else:
+                os.environ["GOMAXPROCS"] = before
+
+
+def refusal(error: str) -> str:
+    """What a relay's refusal in a dial error means, for the error's reader ("" when there is none)."""
+    if "RESOURCE_LIMIT_EXCEEDED" in error:
+        return " (the relay is at its limit of circuits to this peer: it refuses new ones while the open ones go on)"
+    if "NO_RESERVATION" in error:
+        return " (the peer holds no slot on that relay any more)"
+    return ""
+
+
+async def ensure_own(node, restart) -> None:
+    """Check that `node` (public, with relay limits) relays with its own limits; `restart()` its daemon until it
+    does, `RELAY_TRIES` starts at most. Sets `node.relay_checked` (True, False or None) and logs the outcome."""
+    host = "127.0.0.1" if node.host in ("0.0.0.0", "::") else node.host
+    started = time.monotonic()
+    for attempt in range(1, RELAY_TRIES + 1):
+        node.relay_checked = await check(host, node._port, node.peer_id, node.p2p_class)
+        if node.relay_checked is not False or attempt == RELAY_TRIES:
+            break
+        await restart()
+    took = time.monotonic() - started
+    if node.relay_checked:
+        logger.info("relaying with this node's own limits (checked in %.1f s, %d daemon start%s)", took, attempt,
+                    "s" if attempt > 1 else "")
+    elif node.relay_checked is False:
+        logger.warning("the transport daemon relays with its built-in limits (128 KiB or 2 minutes a circuit) "
+                       "after %d starts: NAT'd peers will not choose this node as their relay", attempt)
+    else:
+        logger.info("could not check this node's relay (%.1f s): NAT'd peers may still choose it", took)
+
+
+async def _ask_timed(node, peer: str, request: dict) -> tuple[dict | None, float]:
+    """`peer`'s answer to a reach request, and the round trip of a second ask once the first opened the
+    connection (the first includes dialling)."""
+    try:
+        answer = await reach.ask(node._open_rw, peer, request)
+        started = time.perf_counter()
+        await reach.ask(node._open_rw, peer, {"addrs": True})
+        return answer, (time.perf_counter() - started) * 1e3
+    except Exception as e:  # boundary: a peer that does not answer is not a relay candidate
+        logger.debug("relay candidate %s: %r", describe_peer(peer), e)
+        return None, float("inf")
+
+
+async def _dial(node, peer: str, addrs: list[str]) -> None:
+    from swarm.net.dht_glue import hm
+
+    hm = hm()
+    await asyncio.wait_for(node._p2p._client.connect(hm.PeerID.from_base58(peer), [hm.Multiaddr(a) for a in addrs[:4]]),
+                           reach.ASK_TIMEOUT_S)
+
+
+async def choose(node, fallback: list[str]) -> list[str]:
+    """Full multiaddrs of up to `RELAYS` relays for `node` (see the module docstring); `fallback` if none
+    answered."""
+    known: dict[str, list[str]] = {}
+    for addr in fallback:
+        known.setdefault(reach.peer_of(addr), []).append(addr.split("/p2p/")[0])
+    if node.known is not None:
+        for peer, v in node.known.load().items():
+            known.setdefault(peer, list(v["addrs"]))
+    asked = (await node.connected_peer_ids())[:4]
+    for peer in asked:  # what the nodes it joined through remember
+        answer, _ = await _ask_timed(node, peer, {"peers": True})
+        for other, addrs in ((answer or {}).get("peers") or {}).items():
+            if isinstance(other, str) and isinstance(addrs, list) and other != node.peer_id:
+                known.setdefault(other, [a for a in addrs if isinstance(a, str) and reach.dialable(a)][:4])
+    async def candidate(peer: str) -> tuple[float, str, str] | None:
+        if peer not in asked and known.get(peer):
+            with contextlib.suppress(Exception):  # an address the daemon refuses: the ask fails below
+                await _dial(node, peer, known[peer])
+        answer, ms = await _ask_timed(node, peer, {"addrs": True})
+        addrs = [a.split("/p2p/")[0] for a in ((answer or {}).get("addrs") or []) if isinstance(a, str)]
+        addrs = [a for a in addrs if reach.dialable(a)]
+        if answer is None or not addrs or answer.get("relay") is False:
+            return None
+        return ms, peer, addrs[0]
+
+    peers = [p for p in dict.fromkeys(asked + list(known)) if p != node.peer_id][:MAX_CANDIDATES]
+    timed = [c for c in await asyncio.gather(*(candidate(p) for p in peers)) if c is not None]
+    if not timed:
+        logger.info("no public peer answered as a relay candidate: asking the initial peers and those met before")
+        return fallback
+    chosen = sorted(timed)[:RELAYS]
+    logger.info("relays chosen by round trip: %s (of %d candidates)",
+                ", ".join(f"{describe_peer(p)} {ms:.1f} ms" for ms, p, _ in chosen), len(timed))
+    return [f"{addr}/p2p/{peer}" for _, peer, addr in chosen]
+
+
+__all__ = ["check", "choose", "ensure_own", "refusal", "CHECK_BYTES", "RELAYS", "circuit_addr"]
