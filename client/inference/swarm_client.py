@@ -89,6 +89,7 @@ class SwarmClient:
         for peer, left in (self.stalls.load() if self.stalls is not None else {}).items():
             self.bans.ban(peer, "stalled", left, fixed=False)
         self.offers: dict[str, Offer] = {}
+        self.relayed_out: dict[str, Span] = {}  # peers behind NATs that this transport cannot dial (left out)
         self.states: dict[str, PeerState] = {}
         self.own_load: Counter[str] = Counter()  # hops of this client's sessions at each peer
         self._sessions_made = 0
@@ -115,10 +116,14 @@ class SwarmClient:
                         latest[ann.peer] = ann
             # a moving peer has its old span online while the new one loads: route by its newest online span
             allowed = set(self.config.allow_peers)
+            # a transport that cannot dial relayed peers leaves them out: never tried, so never banned for it
+            relayed_ok = getattr(self.node, "dials_relays", True)
+            self.relayed_out = {p: a.span for p, a in view.online(anns).items() if not relayed_ok and a.reach == "relay"}
             self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links,
                                     *a.weights)
                            for p, a in view.online(discovery.same_weights(anns, self.digest)).items()
-                           if a.span.end <= self.num_blocks and (not allowed or p in allowed)}
+                           if a.span.end <= self.num_blocks and (not allowed or p in allowed)
+                           and (relayed_ok or a.reach != "relay")}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
                                         a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights,
                                         a.digest, a.reach)
@@ -287,10 +292,17 @@ class SwarmClient:
         """The cheapest chain in the current view, without reading the DHT. `discount`: hops of our own not to
         count as load (a session weighing its own route against another). `prefer`: a weight format to keep
         where a route in it exists. Peers below `--min-precision` are never chosen."""
-        return find_route(self.offers.values(), span, self.measurements, self.bans, exclude=exclude,
-                          cache_tokens=cache_tokens, model=self.model_id, load=self._load(discount),
-                          chain=self.config.chain, rng=rng, min_rank=PRECISIONS.index(self.config.min_precision),
-                          prefer=prefer)
+        try:
+            return find_route(self.offers.values(), span, self.measurements, self.bans, exclude=exclude,
+                              cache_tokens=cache_tokens, model=self.model_id, load=self._load(discount),
+                              chain=self.config.chain, rng=rng, min_rank=PRECISIONS.index(self.config.min_precision),
+                              prefer=prefer)
+        except NoRoute as e:
+            behind = [p for p, s in self.relayed_out.items() if any(s.start <= b < s.end for b in e.missing)]
+            if not behind:
+                raise
+            raise NoRoute(f"{e}; {len(behind)} more peers serve them behind NATs, which this transport cannot reach "
+                          "through their relays (the default transport can)", e.missing) from None
 
     def encodings(self, hops: list[Hop]) -> Encodings:
         """How a session over `hops` encodes hidden states on the wire (`choose_encodings`)."""

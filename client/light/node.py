@@ -109,6 +109,7 @@ class LightNode:
         self.addrs = AddressBook(self.initial)  # where each peer is, on trial (`client.light.addresses`)
         self.sources: list[str] = list(dict.fromkeys(peer for _, peer in self.initial))  # initial peers first
         self.peer_id = ""
+        self.dials_relays = False  # it dials direct addresses only: peers reached through a relay are not routed to
         self.refused = 0  # records that failed their checks, over every read
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -6,6 +6,7 @@ detector."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -289,7 +290,7 @@ class Flood:
 
     def __init__(self, monkeypatch, fakes: int, silent: bool = False, **config):
         self.fakes = [f"fake{i:03d}" for i in range(fakes)]
-        self.silent, self.pinged = silent, []
+        self.silent, self.pinged, self.live = silent, [], {"a", "b"}
         anns = [self.ann("a", 0, 3, 20.0, 1), self.ann("b", 3, 6, 20.0, 1)]
         anns += [self.ann(p, 0, 6, 1e9, 10**12) for p in self.fakes]
         self.anns = {block: [a for a in anns if a.start <= block < a.end] for block in range(6)}
@@ -306,7 +307,7 @@ class Flood:
 
     async def _info(self, node, peer, timeout=None):
         self.pinged.append(peer)
-        if peer in ("a", "b"):
+        if peer in self.live:
             return None
         if self.silent:
             await asyncio.sleep(3600)
@@ -504,3 +505,32 @@ def test_slower_than_assumed_names_the_hops_measured_much_slower():
 def test_worth_switching_needs_a_clear_margin():
     assert worth_switching(100.0, 69.0) and not worth_switching(100.0, 71.0)
     assert not worth_switching(100.0, 100.0) and not worth_switching(100.0, 120.0)
+
+
+class NoRelayDials:
+    """A transport like the light client's: it dials direct addresses only."""
+
+    dials_relays = False
+
+
+def test_a_transport_that_cannot_dial_relays_routes_around_peers_behind_nats_and_never_bans_them(monkeypatch):
+    def swarm(*anns) -> Flood:
+        flood = Flood(monkeypatch, 0)
+        flood.anns = {block: [a for a in anns if a.start <= block < a.end] for block in range(6)}
+        flood.client.node, flood.live = NoRelayDials(), {"a", "b", "nat"}
+        return flood
+
+    def ann(peer, start, end, reach):
+        return dataclasses.replace(Flood.ann(peer, start, end, 20.0, 1), reach=reach)
+
+    a, nat, b = ann("a", 0, 3, "direct"), ann("nat", 3, 6, "relay"), ann("b", 3, 6, "direct")
+    flood = swarm(a, nat, b)
+    assert peers(flood.route()) == ["a", "b"]
+    assert "nat" not in flood.pinged and not flood.client.bans.banned("nat")
+    flood = swarm(a, nat)  # only a peer behind a NAT serves [3:6): no route, and the error says why
+    with pytest.raises(NoRoute, match="1 more peers serve them behind NATs"):
+        flood.route()
+    assert "nat" not in flood.pinged and not flood.client.bans.banned("nat")
+    flood = swarm(a, nat)
+    flood.client.node = None  # the daemon's transport reaches it through its relay
+    assert peers(flood.route()) == ["a", "nat"]
