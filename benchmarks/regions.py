@@ -304,9 +304,9 @@ async def route_legs(client: End, hops: list[End], by_id: dict[str, str]) -> dic
 
 def relays_part(args, bench, want: list[int], root: Path) -> list[str]:
     """One region (`--within-ms`): a bootstrap and two public peers serving [0:15), all three relays; then, per
-    run, a fresh NAT'd peer [15:30) (a home and an identity of its own) and at the same moment a fresh NAT'd
-    client that waits for [15:30) and generates: the seconds from the peer's start to the client's first
-    token, through the peer's relay. Then relay loss: a client generating through a NAT'd peer pauses, the
+    run, a fresh NAT'd peer [15:30) (a home and an identity of its own), and a fresh NAT'd client started as
+    soon as the peer says it serves (a new generation does not wait for blocks): the seconds from the peer's
+    start to the client's first token through the peer's relay, the client's own start included. Then relay loss: a client generating through a NAT'd peer pauses, the
     relay its connection to that peer runs through is killed, the generation goes on (the same tokens), and a
     fresh client started at the kill times its first token through the peer's other relay."""
     from box_links import relays
@@ -326,8 +326,10 @@ def relays_part(args, bench, want: list[int], root: Path) -> list[str]:
             wait_until(lambda: met.exists() and all(p.peer_id in met.read_text() for p in pubs), 120,
                        "the bootstrap to remember the public peers")
             for i in range(args.runs):
-                nat = sw.peer(f"nat{i}", box.home(f"nat{i}", region="eu"), SPANS["nat"], [boot.addr])
                 started = time.time()
+                nat = sw.peer(f"nat{i}", box.home(f"nat{i}", region="eu"), SPANS["nat"], [boot.addr])
+                sw.wait_serving([nat], START_S)
+                serving = time.time() - started
                 run = sw.client(f"cli{i}", box.home(f"cli{i}", region="eu"), [boot.addr], prompt, args.tokens,
                                 pause_after=1, **wait)
                 event = run.expect("paused", RUN_S)
@@ -338,7 +340,7 @@ def relays_part(args, bench, want: list[int], root: Path) -> list[str]:
                 done = run.expect("done", RUN_S)
                 if done.get("tokens", [[]])[0][len(prompt):] != want:
                     raise SystemExit(f"cli{i}: tokens differ from local transformers'\n{done}")
-                first.append({"s": event["at"] - started, "through_nat": nat.peer_id in route})
+                first.append({"s": event["at"] - started, "serving": serving, "through_nat": nat.peer_id in route})
                 log(f"relays: run {i + 1}: first token through the new NAT'd peer {first[-1]['s']:.1f} s after its start")
                 sw.kill(nat)
             # relay loss: the last NAT'd peer's setup again, with a generation paused across the kill
@@ -381,11 +383,14 @@ def relays_report(args, first: list[dict], losses: list[dict]) -> list[str]:
     times = [x["s"] for x in first]
     lines = [f"`python benchmarks/regions.py --parts relays --runs {args.runs}` on {machine_line()}. One region, "
              f"{args.within_ms:g} ms one way; a bootstrap and 2 public peers serving [0:15), all of them relays. Per "
-             "run, a fresh NAT'd peer serving [15:30) and, at the same moment, a fresh NAT'd client waiting for "
-             "[15:30): seconds from the peer's start (imports, joining, choosing its relays, measuring and loading "
-             "its blocks) to the client's first token through the peer's relay.", "",
-             "| runs | through the new peer | median s | slowest s | within 30 s |", "|---:|---:|---:|---:|---:|",
-             f"| {len(first)} | {sum(x['through_nat'] for x in first)} | {statistics.median(times):.1f} | "
+             "run, a fresh NAT'd peer serving [15:30), and a fresh NAT'd client started once the peer says it "
+             "serves: seconds from the peer's start (imports, joining, choosing its relays, measuring and loading "
+             "its blocks) to the client's first token through the peer's relay (the client's own start, about 5 s, "
+             "included).", "",
+             "| runs | through the new peer | peer serving after (median s) | first token after (median s) | "
+             "slowest s | within 30 s |", "|---:|---:|---:|---:|---:|---:|",
+             f"| {len(first)} | {sum(x['through_nat'] for x in first)} | "
+             f"{statistics.median(x['serving'] for x in first):.1f} | {statistics.median(times):.1f} | "
              f"{max(times):.1f} | {sum(t <= 30 for t in times)}/{len(times)} |"]
     for loss in losses:
         lines += ["", f"Relay loss: the NAT'd peer held {loss['relays']} relays; {loss['victim']}, the one the paused "
