@@ -200,11 +200,12 @@ def run_generate(args: argparse.Namespace) -> int:
     with open_model(args, weights, "generate") as model:
         route = model.route()
         predicted = model.connection.client.route_cost_ms(route)
-        print(f"[generate] route: {describe_route(route)}; predicted {predicted:.1f} ms per token through the swarm",
-              file=sys.stderr)
+        print(f"[generate] route: {describe_route(route)}; predicted {predicted:.1f} ms per decode step through the "
+              "swarm", file=sys.stderr)
         stats = stream_answer(model, tokenizer, args.prompt, args, chat=args.chat)
     print(file=sys.stderr)
     drafts = f", {stats['accepted']} of {stats['drafted']} drafted tokens kept" if stats["drafted"] else ""
+    # per token; with drafted tokens kept, a decode step gives more than one, so it is below the step's time
     per_token = f" ({1e3 / stats['tokens_per_s']:.1f} ms per token)" if stats["tokens_per_s"] > 0 else ""
     print(f"[generate] {stats['tokens']} tokens, decode {stats['tokens_per_s']:.1f} tokens/s{per_token}{drafts}",
           file=sys.stderr)

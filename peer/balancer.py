@@ -166,7 +166,12 @@ class Links:
         """Peers announcing block `end` online with this peer's weights, newest records first."""
         if self.model_id is None or end >= self.num_blocks:
             return []
-        found = await discovery.announcements(self.node, self.model_id, self.num_blocks, [end])
+        try:  # a read that fails or hangs costs this round's links, never the announcement after them
+            found = await asyncio.wait_for(
+                discovery.announcements(self.node, self.model_id, self.num_blocks, [end]), self.timeout * 5)
+        except (asyncio.TimeoutError, SwarmError, OSError) as e:
+            logger.debug("links: reading the peers of block %d failed: %r", end, e)
+            return []
         anns = discovery.same_weights(found, self.digest)[end]
         return [a.peer for a in anns if a.state == "online" and a.peer != self.node.peer_id]
 

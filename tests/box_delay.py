@@ -123,7 +123,11 @@ async def main(name: str) -> None:
 
     async def commands() -> None:
         while line := await reader.readline():
-            print(delayer.command(line.decode()), flush=True)
+            try:
+                answer = delayer.command(line.decode())
+            except (ValueError, IndexError) as e:  # a malformed address or number: answered, never left unanswered
+                answer = f"error: {line.decode().strip()!r}: {e}"
+            print(answer, flush=True)
         stop.set()
 
     task = asyncio.ensure_future(commands())

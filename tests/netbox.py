@@ -172,6 +172,8 @@ class Box:
         for argv in (("ip", "link", "set", TUN, "up"), ("sysctl", "-q", "-w", f"net.ipv4.conf.{TUN}.rp_filter=0"),
                      ("ip", "route", "add", "default", "dev", TUN, "table", DELAY_TABLE),
                      ("ip", "rule", "add", "pref", "100", "iif", TUN, "lookup", "main"),
+                     # no host route for it: dropped, not sent round the TUN again until its TTL runs out
+                     ("ip", "rule", "add", "pref", "101", "iif", TUN, "unreachable"),
                      ("ip", "rule", "add", "pref", "200", "lookup", DELAY_TABLE)):
             _in(self.wan, *argv)
         names = sorted(self.regions)
@@ -292,8 +294,9 @@ class Box:
 
     def close(self) -> None:
         if self._delayer is not None:
-            with contextlib.suppress(Exception):
-                self._delayer.stdin.close()  # its end of commands: it exits (stopped below if not)
+            for pipe in (self._delayer.stdin, self._delayer.stdout):
+                with contextlib.suppress(Exception):
+                    pipe.close()  # the end of its commands: it exits (stopped below if not)
             self._delayer = None
         for proc in reversed(self.procs):
             with contextlib.suppress(Exception):  # teardown goes on whatever one process does

@@ -83,6 +83,34 @@ def circuit_addr(hm, host: str, port: int, relay_id: str) -> _RawAddr:
     return _RawAddr(hm.Multiaddr(f"/ip4/{host}/tcp/{port}").to_bytes() + p2p + _varint(len(relay)) + relay + circuit)
 
 
+async def _pull(hm, holder, puller, host: str, port: int, relay_id: str, size: int) -> bool | None:
+    """`puller` connects to `holder` through the relay and pulls `size` bytes: whether all of them came."""
+    async def give(_info, _reader, writer) -> None:
+        with contextlib.suppress(Exception):  # a circuit reset midway is the answer, not an error
+            writer.write(b"\0" * size)
+            await writer.drain()
+        writer.close()
+
+    await holder.add_binary_stream_handler(CHECK_PROTOCOL, give)
+    await asyncio.sleep(SLOT_WAIT_S)
+    for attempt in range(3):
+        try:
+            await puller._client.connect(holder.peer_id, [circuit_addr(hm, host, port, relay_id)])
+            break
+        except Exception as e:  # boundary: no slot yet (NO_RESERVATION), or a refused dial
+            logger.debug("relay check: no circuit yet (%s)", e)
+            await asyncio.sleep(1.0 + attempt)
+    else:
+        return None
+    _, reader, writer = await puller.call_binary_stream_handler(holder.peer_id, CHECK_PROTOCOL)
+    got = 0
+    with contextlib.suppress(Exception):  # a reset circuit ends the read: `got` tells
+        while chunk := await reader.read(65536):
+            got += len(chunk)
+    writer.close()
+    return got >= size
+
+
 async def check(host: str, port: int, relay_id: str, p2p_class, size: int = CHECK_BYTES) -> bool | None:
     """Whether the relay at host:port (this machine's node `relay_id`) carries `size` bytes in one circuit.
     `p2p_class(flags)`: the transport's daemon class with these extra daemon flags."""
@@ -91,36 +119,12 @@ async def check(host: str, port: int, relay_id: str, p2p_class, size: int = CHEC
     hm = hm()
     holder = puller = None
     try:
-        async with asyncio.timeout(CHECK_TIMEOUT_S):
-            holder = await p2p_class({"relayDiscovery": 0, "relayService": 0}).create(no_listen=True, use_auto_relay=True, auto_nat=False,
-                                               force_reachability="private",
-                                               trusted_relays=[f"/ip4/{host}/tcp/{port}/p2p/{relay_id}"])
-            puller = await hm.P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], auto_nat=False)
-
-            async def give(_info, _reader, writer) -> None:
-                with contextlib.suppress(Exception):  # a circuit reset midway is the answer, not an error
-                    writer.write(b"\0" * size)
-                    await writer.drain()
-                writer.close()
-
-            await holder.add_binary_stream_handler(CHECK_PROTOCOL, give)
-            await asyncio.sleep(SLOT_WAIT_S)
-            for attempt in range(3):
-                try:
-                    await puller._client.connect(holder.peer_id, [circuit_addr(hm, host, port, relay_id)])
-                    break
-                except Exception as e:  # boundary: no slot yet (NO_RESERVATION), or a refused dial
-                    logger.debug("relay check: no circuit yet (%s)", e)
-                    await asyncio.sleep(1.0 + attempt)
-            else:
-                return None
-            _, reader, writer = await puller.call_binary_stream_handler(holder.peer_id, CHECK_PROTOCOL)
-            got = 0
-            with contextlib.suppress(Exception):  # a reset circuit ends the read: `got` tells
-                while chunk := await reader.read(65536):
-                    got += len(chunk)
-            writer.close()
-            return got >= size
+        # started before the timeout below: a start cut short by a cancellation could leave its process behind
+        holder = await p2p_class({"relayDiscovery": 0, "relayService": 0}).create(
+            no_listen=True, use_auto_relay=True, auto_nat=False, force_reachability="private",
+            trusted_relays=[f"/ip4/{host}/tcp/{port}/p2p/{relay_id}"])
+        puller = await hm.P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], auto_nat=False)
+        return await asyncio.wait_for(_pull(hm, holder, puller, host, port, relay_id, size), CHECK_TIMEOUT_S)
     except Exception as e:  # boundary (a timeout included): a check that cannot run says nothing about the relay
         logger.debug("relay check failed to run: %r", e)
         return None
@@ -209,9 +213,15 @@ async def choose(node, fallback: list[str]) -> list[str]:
         for peer, v in node.known.load().items():
             known.setdefault(peer, list(v["addrs"]))
     asked = (await node.connected_peer_ids())[:4]
-    for peer in asked:  # what the nodes it joined through remember
-        answer, _ = await _ask_timed(node, peer, {"peers": True})
-        for other, addrs in ((answer or {}).get("peers") or {}).items():
+
+    async def remembered(peer: str) -> dict:
+        try:
+            return (await reach.ask(node._open_rw, peer, {"peers": True})).get("peers") or {}
+        except Exception:  # boundary: a node that does not answer remembers nothing for us
+            return {}
+
+    for answer in await asyncio.gather(*(remembered(p) for p in asked)):  # what the nodes it joined through met
+        for other, addrs in (answer if isinstance(answer, dict) else {}).items():
             if isinstance(other, str) and isinstance(addrs, list) and other != node.peer_id:
                 known.setdefault(other, [a for a in addrs if isinstance(a, str) and reach.dialable(a)][:4])
     async def candidate(peer: str) -> tuple[float, str, str] | None:

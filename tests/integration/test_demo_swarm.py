@@ -72,7 +72,7 @@ def test_generate_command_streams_text(demo_swarm, demo_model_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout
     assert "route: head -> [0:10)" in done.stderr and "tokens/s" in done.stderr
-    predicted = re.search(r"predicted ([0-9.]+) ms per token", done.stderr)
+    predicted = re.search(r"predicted ([0-9.]+) ms per decode step", done.stderr)
     measured = re.search(r"tokens/s \(([0-9.]+) ms per token\)", done.stderr)
     assert predicted and measured and float(predicted.group(1)) > 0 and float(measured.group(1)) > 0, done.stderr
 
