@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import math
 import shutil
 import statistics
@@ -71,6 +72,7 @@ def worker(argv: list[str]) -> int:
     parser.add_argument("--model-id", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
     from client.model import DistributedModelForCausalLM

@@ -1,8 +1,10 @@
 """Relays: which ones a NAT'd node reserves slots on, and whether a public node relays with its own limits.
 
 **Choosing.** A NAT'd node reserves slots on up to `RELAYS` public nodes, the nearest by measured round trip
-among those it knows (two at least, where two answer; a third only if it is near too, since a client
-dialling the node through a far relay makes the detour): the peers it is connected to (its initial peers), the public peers they remember
+among those it knows, and only near ones (a round trip within 3 times the nearest's, plus 10 ms): a client
+dials a node through whichever of its relays the daemon picks, and measured in the box with one near and one
+far relay, half the fresh clients of the near region went through the far one and paid twice the per-token
+time (so a node with one near public peer holds one slot, not a far spare): the peers it is connected to (its initial peers), the public peers they remember
 (`reach` protocol, `peers`), and the peers it met before. Each is asked where it can be dialled (`addrs`),
 timed once connected; one that says its relay is capped (below) is never chosen, one that does not answer is
 not either. With no answer at all, the node falls back to its initial peers and the peers met before. The
@@ -45,8 +47,7 @@ from swarm.net.identity import describe_peer
 logger = logging.getLogger("swarm.net.transport")
 
 RELAYS = 3  # slots a NAT'd node reserves at most
-MIN_RELAYS = 2  # ... and at least, where that many answer, however far the second is (a spare)
-NEAR_FACTOR, NEAR_SLACK_MS = 3.0, 10.0  # beyond those, only relays this near: round trip <= 3 x the nearest + 10 ms
+NEAR_FACTOR, NEAR_SLACK_MS = 3.0, 10.0  # only relays this near: round trip <= 3 x the nearest + 10 ms
 MAX_CANDIDATES = 12  # public nodes timed when choosing
 RELAY_TRIES = 8  # daemon starts a public node tries for its own relay
 
@@ -242,7 +243,7 @@ async def choose(node, fallback: list[str]) -> list[str]:
         return fallback
     ranked = sorted(timed)
     nearest = ranked[0][0]
-    chosen = [c for i, c in enumerate(ranked) if i < MIN_RELAYS or c[0] <= NEAR_FACTOR * nearest + NEAR_SLACK_MS][:RELAYS]
+    chosen = [c for c in ranked if c[0] <= NEAR_FACTOR * nearest + NEAR_SLACK_MS][:RELAYS]
     logger.info("relays chosen by round trip: %s (of %d candidates)",
                 ", ".join(f"{describe_peer(p)} {ms:.1f} ms" for ms, p, _ in chosen), len(timed))
     return [f"{addr}/p2p/{peer}" for _, peer, addr in chosen]
