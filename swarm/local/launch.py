@@ -210,6 +210,10 @@ class LocalSwarm:
         (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * share))))
         (group / "cgroup.procs").write_text(str(proc.popen.pid))
 
+    def unthrottle(self, proc: Proc) -> None:
+        """Lift `throttle`: the process goes back to the root CPU group (its own group is removed at `stop_all`)."""
+        (CGROUP_CPU / "cgroup.procs").write_text(str(proc.popen.pid))
+
     def __enter__(self) -> LocalSwarm:
         return self
 
