@@ -148,11 +148,13 @@ class Worker:
 # ---- the box ----
 
 @contextlib.contextmanager
-def boxed(root: Path, model: Path, model_id: str):
+def boxed(root: Path, model: Path, model_id: str, between_ms: float = 0.0):
+    """A box and a swarm in it; with `between_ms`, two regions (`eu`, `us`: 2 ms one way within each)."""
     from box_swarm import BoxSwarm
     from netbox import Box
 
-    with Box() as box:
+    regions = {"eu": 2.0, "us": 2.0} if between_ms else {}
+    with Box(regions=regions, between_ms=between_ms) as box:
         sw = BoxSwarm(box, root, model, model_id, PEER_OPTIONS)
         try:
             yield box, sw
@@ -181,11 +183,20 @@ LETTER = {"direct": "D", "hole-punched": "H", "relayed": "R", "failed": "✗"}
 
 
 def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
-    with boxed(root / "matrix", model, model_id) as (box, sw):
-        boot = sw.bootstrap(box.public("boot"))
+    where = {}  # host name -> region, with distances: eu and us in turn
+
+    def region(name: str) -> dict:
+        if not args.between_ms:
+            return {}
+        where[name] = ("eu", "us")[len(where) % 2]
+        return {"region": where[name]}
+
+    with boxed(root / "matrix", model, model_id, args.between_ms) as (box, sw):
+        boot = sw.bootstrap(box.public("boot", **region("bootstrap")))
         peers = []
         for name, public, blocks in MATRIX_PEERS:
-            proc = sw.peer(name, box.public(name) if public else box.home(name), blocks, [boot.addr])
+            host = box.public(name, **region(name)) if public else box.home(name, **region(name))
+            proc = sw.peer(name, host, blocks, [boot.addr])
             slot = SlotWatch(proc)
             note_lines([proc], LINES, lambda: [slot(), "serving blocks" in proc.extra or not proc.alive()][1], START_S)
             if "serving blocks" not in proc.extra:
@@ -194,7 +205,8 @@ def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
                 note_lines([proc], LINES, lambda: slot() and "reachable through relay" in proc.extra, REACH_S)
             log(f"{name}: {reachability(proc)}, serving after {proc.extra['serving blocks']:.1f} s")
             peers.append(proc)
-        clients = [Worker(sw, name, box.home(name), model, model_id, [boot.addr]) for name in ("cli1", "cli2")]
+        clients = [Worker(sw, name, box.home(name, **region(name)), model, model_id, [boot.addr])
+                   for name in ("cli1", "cli2")]
         for w in clients:
             w.ready()
         nodes = [End("bootstrap", boot.peer_id, False, boot.popen.pid)]
@@ -203,7 +215,7 @@ def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
         results = asyncio.run(probe_all(nodes, args.open_timeout, args.punch_wait))
         for w in clients:
             w.quit()
-    return matrix_report(args, nodes, peers, results)
+    return matrix_report(args, nodes, peers, results, where)
 
 
 async def probe_all(nodes: list[End], timeout: float, punch_wait: float) -> dict:
@@ -223,12 +235,21 @@ async def probe_all(nodes: list[End], timeout: float, punch_wait: float) -> dict
     return {(a.name, b.name): row for (a, b), row in out.items()}
 
 
-def matrix_report(args, nodes: list[End], peers: list, results: dict) -> list[str]:
+def matrix_report(args, nodes: list[End], peers: list, results: dict, regions: dict | None = None) -> list[str]:
     names = [n.name for n in nodes]
-    where = {n.name: ("NAT'd" if n.nat else "public") for n in nodes}
-    lines = [f"`python benchmarks/home_routers.py --parts matrix` on {machine_line()}. The demo model; a "
+    where = {n.name: ("NAT'd" if n.nat else "public") + (f", {regions[n.name]}" if regions else "") for n in nodes}
+    if regions:  # pairs are counted by kind of ends and whether they share a region
+        kinds = {n.name: "NAT'd" if n.nat else "public" for n in nodes}
+        pair_of = {(a, b): f"{kinds[a]} → {kinds[b]}, {'same region' if regions[a] == regions[b] else 'across'}"
+                   for a in names for b in names}
+    else:
+        pair_of = {(a, b): f"{where[a]} → {where[b]}" for a in names for b in names}
+    distances = (f" Two regions, eu and us, 2 ms one way within each and {args.between_ms:g} ms between, the "
+                 "nodes in each in turn." if regions else "")
+    command = "--parts matrix" + (f" --between-ms {args.between_ms:g}" if regions else "")
+    lines = [f"`python benchmarks/home_routers.py {command}` on {machine_line()}. The demo model; a "
              "bootstrap, 2 public peers and 3 NAT'd peers started one after another, then 2 NAT'd clients, each "
-             "NAT'd node behind a router of its own (masquerade, nothing in unasked). For every ordered pair, the "
+             f"NAT'd node behind a router of its own (masquerade, nothing in unasked).{distances} For every ordered pair, the "
              "first node's transport daemon opens a stream to the second by peer id and a byte is echoed; the "
              f"connection it ends on, {args.punch_wait:.0f} s later: **D** direct, **H** hole-punched (both "
              "NAT'd, direct), **R** relayed (`/p2p-circuit`), **✗** failed "
@@ -240,13 +261,13 @@ def matrix_report(args, nodes: list[End], peers: list, results: dict) -> list[st
         lines.append(f"| {a} ({where[a]}) | " + " | ".join(cells) + " |")
     counts: dict[str, dict[str, int]] = {}
     for (a, b), row in results.items():
-        pair = f"{where[a]} → {where[b]}"
+        pair = pair_of[a, b]
         counts.setdefault(pair, {}).setdefault(row["final"], 0)
         counts[pair][row["final"]] += 1
     lines += ["", "| pair | direct | hole-punched | relayed | failed | median open + echo (ms) |",
               "|---|---:|---:|---:|---:|---:|"]
     for pair, c in sorted(counts.items()):
-        ms = [row["ms"] for (a, b), row in results.items() if f"{where[a]} → {where[b]}" == pair and row["ms"]]
+        ms = [row["ms"] for (a, b), row in results.items() if pair_of[a, b] == pair and row["ms"]]
         lines.append(f"| {pair} | {c.get('direct', 0)} | {c.get('hole-punched', 0)} | {c.get('relayed', 0)} | "
                      f"{c.get('failed', 0)} | {fmt(statistics.median(ms) if ms else None)} |")
     upgraded = sum(r["at_open"] == "relayed" and r["final"] == "hole-punched" for r in results.values())
@@ -442,6 +463,8 @@ def machine_line() -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", choices=("matrix", "routes"), default=["matrix", "routes"])
+    parser.add_argument("--between-ms", type=float, default=0.0,
+                        help="matrix: two regions (eu, us: 2 ms one way within each), this far apart one way")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens of a decode run")
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="the prefill run's prompt")
@@ -480,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                                       tokenizer=AutoTokenizer.from_pretrained(demo.path))
         sections = {}
         if "matrix" in args.parts:
-            sections["home-routers-matrix"] = ["### Home routers: who reaches whom", "", *matrix(
-                args, bench.path, bench.model_id, root)]
+            name, title = (("home-routers-matrix-regions", "### Home routers: who reaches whom, across regions")
+                           if args.between_ms else ("home-routers-matrix", "### Home routers: who reaches whom"))
+            sections[name] = [title, "", *matrix(args, bench.path, bench.model_id, root)]
         if "routes" in args.parts:
             local = AutoModelForCausalLM.from_pretrained(bench.path, dtype=torch.float32).eval()
             sections["home-routers-routes"] = ["### Home routers: relayed routes", "", *routes(args, bench, local, root)]
