@@ -118,13 +118,12 @@ class SwarmClient:
             allowed = set(self.config.allow_peers)
             # a transport that cannot dial relayed peers leaves them out: never tried, so never banned for it
             relayed_ok = getattr(self.node, "dials_relays", True)
-            self.relayed_out = {p: a.span for p, a in view.online(discovery.same_weights(anns, self.digest)).items()
-                                if not relayed_ok and a.reach == "relay" and (not allowed or p in allowed)}
+            online = {p: a for p, a in view.online(discovery.same_weights(anns, self.digest)).items()
+                      if not allowed or p in allowed}
+            self.relayed_out = {p: a.span for p, a in online.items() if not relayed_ok and a.reach == "relay"}
             self.offers = {p: Offer(p, a.span, a.throughput, a.cache_tokens_left, a.sessions, a.queued, a.links,
                                     *a.weights)
-                           for p, a in view.online(discovery.same_weights(anns, self.digest)).items()
-                           if a.span.end <= self.num_blocks and (not allowed or p in allowed)
-                           and (relayed_ok or a.reach != "relay")}
+                           for p, a in online.items() if a.span.end <= self.num_blocks and p not in self.relayed_out}
             self.states = {p: PeerState(p, a.span, a.state, a.throughput, a.cache_tokens_left, a.version, None,
                                         a.sessions, a.queued, a.since, a.links, a.device or "cpu", *a.weights,
                                         a.digest, a.reach)
@@ -205,7 +204,8 @@ class SwarmClient:
         If no chain exists, the view is re-read once; then peers banned for timing out or for a lost
         connection get one ping each (a peer that answers is forgiven), since a slow moment or a transient
         dial failure must not end a generation that has no alternative: peers that answered before first,
-        then those that timed out or stalled, then those that could not be reached, `MAX_PINGS` at most. Still nothing: `NoRoute` naming the missing blocks.
+        then those that timed out or stalled, then those that could not be reached, `MAX_PINGS` at most.
+        Still nothing: `NoRoute` naming the missing blocks.
         """
         span = span or self.span
         await self.refresh()

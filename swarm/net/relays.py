@@ -183,13 +183,13 @@ async def ensure_own(node, restart) -> None:
         logger.info("could not check this node's relay (%.1f s): NAT'd peers may still choose it", took)
 
 
-async def _ask_timed(node, peer: str, request: dict) -> tuple[dict | None, float]:
-    """`peer`'s answer to a reach request, and the round trip of a second ask once the first opened the
-    connection (the first includes dialling)."""
+async def _timed_addrs(node, peer: str) -> tuple[dict | None, float]:
+    """`peer`'s answer to an `addrs` request, and its round trip in ms: the second of two asks, once the first
+    opened the connection (the first includes dialling)."""
     try:
-        answer = await reach.ask(node._open_rw, peer, request)
-        started = time.perf_counter()
         await reach.ask(node._open_rw, peer, {"addrs": True})
+        started = time.perf_counter()
+        answer = await reach.ask(node._open_rw, peer, {"addrs": True})
         return answer, (time.perf_counter() - started) * 1e3
     except Exception as e:  # boundary: a peer that does not answer is not a relay candidate
         logger.debug("relay candidate %s: %r", describe_peer(peer), e)
@@ -225,11 +225,12 @@ async def choose(node, fallback: list[str]) -> list[str]:
         for other, addrs in (answer if isinstance(answer, dict) else {}).items():
             if isinstance(other, str) and isinstance(addrs, list) and other != node.peer_id:
                 known.setdefault(other, [a for a in addrs if isinstance(a, str) and reach.dialable(a)][:4])
+
     async def candidate(peer: str) -> tuple[float, str, str] | None:
         if peer not in asked and known.get(peer):
             with contextlib.suppress(Exception):  # an address the daemon refuses: the ask fails below
                 await _dial(node, peer, known[peer])
-        answer, ms = await _ask_timed(node, peer, {"addrs": True})
+        answer, ms = await _timed_addrs(node, peer)
         addrs = [a.split("/p2p/")[0] for a in ((answer or {}).get("addrs") or []) if isinstance(a, str)]
         addrs = [a for a in addrs if reach.dialable(a)]
         if answer is None or not addrs or answer.get("relay") is False:
