@@ -8,6 +8,10 @@
   hole be filled in seconds rather than a TTL.
 - `Links` keeps the round trips to the peers this peer pushes to and to those serving the block after its
   span (an info call each, every announce interval), announced in compact form for the clients' route costs.
+- `Distances` keeps the round trips to every other peer the view shows, for placement: which peers are near
+  (its region, `swarm.net.distance`). Each is timed when first seen and again `REMEASURE_S` later; its round
+  trip is the least of all its info calls (the first may open the connection, a busy peer answers late: only
+  the least is the distance). A peer that does not answer is near to nobody. On one machine nothing is timed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import random
 import time
 
-from swarm.net import calls, discovery, records, view
+from swarm.net import calls, discovery, distance, records, view
 from swarm.errors import ConnectionLost, ProtocolError, StepTimeout, SwarmError
 from swarm.net.transport import Node, describe_peer
 
@@ -29,6 +33,8 @@ QUIET_SLOWDOWN = 8  # a swarm that reads the same every time is read this many c
 LOST_RETRY_S = 0.25  # a peer that cannot be reached is tried once more after this long before it counts as gone
 SILENT_PINGS = 3  # pings in a row a peer may leave unanswered (busy, or frozen) before its blocks count as unserved
 EMA_ALPHA = 0.3
+REMEASURE_S = 300.0  # a peer's round trip is timed again after this long
+MAX_TIMED = 16  # peers timed per placement decision at most (the rest at the next one)
 
 
 async def round_trip_ms(node: Node, peer: str, timeout: float) -> float | None:
@@ -192,6 +198,43 @@ class Links:
     def announced(self) -> dict[str, float] | None:
         """The compact form records carry: last `LINK_ID_CHARS` of each peer id -> ms."""
         return {p[-records.LINK_ID_CHARS:]: round(ms, 1) for p, ms in self.rtt_ms.items()} or None
+
+
+class Distances:
+    """Round trips (ms) to the other peers, and which of them are near (module docstring)."""
+
+    def __init__(self, node: Node, timeout: float = 1.0):
+        self.node, self.timeout = node, timeout
+        self.rtt_ms: dict[str, float] = {}
+        self.timed_at: dict[str, float] = {}  # peer -> when it was last timed (monotonic)
+
+    async def near(self, served: list[view.Server]) -> set[str] | None:
+        """The peers of `served` near this one (empty: none is); None on one machine or if none could be timed."""
+        if self.node.local:
+            return None
+        now = time.monotonic()
+        peers = list(dict.fromkeys(s.peer for s in served if s.peer != self.node.peer_id))
+        due = [p for p in peers if now - self.timed_at.get(p, -math.inf) >= REMEASURE_S][:MAX_TIMED]
+        results = await asyncio.gather(*(self._time(p) for p in due))
+        for peer, ms in zip(due, results):
+            self.timed_at[peer] = now
+            if ms is None:
+                self.rtt_ms.pop(peer, None)
+            else:
+                self.rtt_ms[peer] = min(ms, self.rtt_ms.get(peer, math.inf))
+        for gone in [p for p in self.timed_at if p not in peers]:  # bounded by the swarm's size
+            self.timed_at.pop(gone)
+            self.rtt_ms.pop(gone, None)
+        if peers and not self.rtt_ms:
+            return None
+        return distance.near(self.rtt_ms, distance.REGION_MS)
+
+    async def _time(self, peer: str) -> float | None:
+        first = await round_trip_ms(self.node, peer, self.timeout * 5)  # it may open the connection
+        if first is None:
+            return None
+        second = await round_trip_ms(self.node, peer, self.timeout)
+        return first if second is None else min(first, second)
 
 
 def jittered(seconds: float, rng: random.Random, share: float = 0.25) -> float:

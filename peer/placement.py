@@ -12,11 +12,23 @@ Choosing (`best_span`): a peer of speed `s` with room for `memory_blocks` blocks
 `[start, start + n)`, `n <= memory_blocks`, by, in order:
   1. the holes left (fewer);
   2. whether `n` is within its *stage share* (below): a longer span only to fill holes;
-  3. the bottleneck once it serves the span (higher; equal within `TIE`, so float noise decides nothing);
-  4. the gain in the sum over blocks of log capacity (higher): among spans that leave the bottleneck
+  3. the *region's* holes left (fewer): blocks that no peer near this one serves (below);
+  4. the bottleneck once it serves the span (higher; equal within `TIE`, so float noise decides nothing);
+  5. the gain in the sum over blocks of log capacity (higher): among spans that leave the bottleneck
      where it is, the one that raises weak blocks most; holes count at `HOLE_FLOOR` of the least
      positive capacity so that they weigh most;
-  5. more blocks (fewer hops for clients), then the lowest start (reproducible).
+  6. more blocks (fewer hops for clients), then the lowest start (reproducible).
+
+Regions: the peers near this one (`swarm.net.distance`, by round trips the peer measures: no configured
+label; none beyond `swarm.net.distance.REGION_MS`) are its region. When the region, this peer included, has room for the whole model (the memory its
+peers announce adds up to the model's blocks), a span that serves a block no near peer serves wins over one
+that does not, after the swarm's own holes and within the stage share: so peers joining a region complete a
+chain of near peers, and a client there routes without crossing to another region (at 60 ms a round trip,
+a crossing costs more than the compute of the whole model on the demo). A region without that room counts
+for its holes; its peers still take their stage shares among themselves (so the first peer of a region
+takes what it would alone: its chain can be completed by the next ones). Measured in the box (docs/benchmarks.md,
+regions-placement): four peers with room for half the model each, joining in turn in two regions, put
+both halves in each region; placed by throughput alone, each region held the same half.
 
 The stage share (`stage_blocks`) is `s * T` in whole blocks (`whole_shares`: rounded down, then
 the blocks short of whole copies to the peers whose stages stay quickest), where `T` is the swarm's
@@ -78,6 +90,7 @@ class Score:
     span: Span
     bottleneck: float
     holes: int
+    local: int = 0  # the region's holes left (module docstring); 0 without a region
 
 
 def capacities(num_blocks: int, served: Iterable[Server]) -> list[float]:
@@ -109,8 +122,9 @@ def _floors(caps: list[float], speed: float) -> list[float]:
     return [c if c > 0 else floor for c in caps]
 
 
-def score(caps: list[float], span: Span, speed: float, prefer_blocks: int | None = None) -> Score:
-    """The score of serving `span` at `speed` (tokens/s for one block) on top of `caps`."""
+def score(caps: list[float], span: Span, speed: float, prefer_blocks: int | None = None,
+          local: list[float] | None = None) -> Score:
+    """The score of serving `span` at `speed` (tokens/s for one block) on top of `caps` (`local`: the region's)."""
     add = speed / len(span)
     new = [c + add if span.start <= b < span.end else c for b, c in enumerate(caps)]
     base = _floors(caps, speed)
@@ -118,12 +132,15 @@ def score(caps: list[float], span: Span, speed: float, prefer_blocks: int | None
     low = bottleneck(new)
     left = sum(1 for c in new if c <= 0)
     within = prefer_blocks is None or len(span) <= prefer_blocks
-    return Score((-left, within, _level(low), round(gain, 9), len(span), -span.start), span, low, left)
+    near_left = sum(1 for b, c in enumerate(local) if c <= 0 and b not in span) if local is not None else 0
+    return Score((-left, within, -near_left, _level(low), round(gain, 9), len(span), -span.start), span, low, left,
+                 near_left)
 
 
 def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: int | None = None,
-              min_blocks: int = 1) -> Score:
-    """The best span for a peer of `speed` with room for `max_blocks` blocks (see the module docstring).
+              min_blocks: int = 1, local: list[float] | None = None) -> Score:
+    """The best span for a peer of `speed` with room for `max_blocks` blocks (see the module docstring);
+    `local`: the capacities of its region's peers alone, if its region counts.
 
     O(blocks x max_blocks): prefix and suffix minima give the bottleneck outside each span, a running
     minimum the one inside, prefix sums per length the log gain."""
@@ -138,9 +155,10 @@ def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: i
     suffix_min = [math.inf] * (total + 1)
     for b in range(total - 1, -1, -1):
         suffix_min[b] = min(suffix_min[b + 1], caps[b])
-    hole_prefix = [0] * (total + 1)
+    hole_prefix, near_prefix = [0] * (total + 1), [0] * (total + 1)
     for b in range(total):
         hole_prefix[b + 1] = hole_prefix[b] + (caps[b] <= 0)
+        near_prefix[b + 1] = near_prefix[b] + (local is not None and local[b] <= 0)
     base = _floors(caps, speed)
     logs = [math.log(v) for v in base]
     gains = []  # gains[n - 1][b]: the log gain of blocks [0, b) when a span of n blocks adds speed / n
@@ -162,21 +180,29 @@ def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: i
             add = speed / n
             low = min(prefix_min[start], suffix_min[end], inside + add)
             left = hole_prefix[start] + hole_prefix[total] - hole_prefix[end]
-            key = (-left, n <= prefer, _level(low), round(gains[n - 1][end] - gains[n - 1][start], 9), n, -start)
+            near_left = near_prefix[start] + near_prefix[total] - near_prefix[end]
+            key = (-left, n <= prefer, -near_left, _level(low), round(gains[n - 1][end] - gains[n - 1][start], 9), n,
+                   -start)
             if best is None or key > best[0]:
-                best = (key, Span(start, end), low, left)
+                best = (key, Span(start, end), low, left, near_left)
     return Score(*best)
 
 
 def rebalance(caps: list[float], speed: float, current: Span, max_blocks: int, margin: float = MARGIN,
-              prefer_blocks: int | None = None, min_blocks: int = 1) -> Score | None:
-    """Where a peer serving `current` should move, or None to stay. `caps` leave this peer out."""
-    here = score(caps, current, speed, prefer_blocks)
-    best = best_span(caps, speed, max_blocks, prefer_blocks, min_blocks)
+              prefer_blocks: int | None = None, min_blocks: int = 1, local: list[float] | None = None) -> Score | None:
+    """Where a peer serving `current` should move, or None to stay. `caps` (and `local`, the region's) leave this
+    peer out."""
+    here = score(caps, current, speed, prefer_blocks, local)
+    best = best_span(caps, speed, max_blocks, prefer_blocks, min_blocks, local)
     if best.span == current:
         return None
     if best.holes < here.holes:
         return best
+    within = prefer_blocks is None or len(best.span) <= prefer_blocks
+    if best.holes == here.holes and best.local < here.local and within:
+        return best  # the region lacks blocks this peer can serve: a client there need not cross to another
+    if best.local > here.local:
+        return None  # no gain in throughput is worth a crossing for the region's clients
     if best.holes == here.holes and best.bottleneck > here.bottleneck * (1 + margin) and best.bottleneck > 0:
         return best
     if prefer_blocks is not None and len(current) > prefer_blocks >= len(best.span) and best.holes <= here.holes \
@@ -250,12 +276,35 @@ def whole_shares(everyone: list[tuple[float, int]], num_blocks: int) -> list[int
     return counts
 
 
-def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int) -> Score:
+def region(others: list[Server], near: set[str] | None, memory_blocks: int, num_blocks: int) -> list[float] | None:
+    """The capacities of the `near` peers' servers alone, when they and this peer (room for `memory_blocks`)
+    have room for the whole model; None otherwise, or with no distances known (`near` None)."""
+    if near is None:
+        return None
+    mine = [s for s in others if s.peer in near]
+    room = memory_blocks + sum(m or 0 for _, m in peers(mine).values())
+    return capacities(num_blocks, mine) if room >= num_blocks else None
+
+
+def _region_terms(others: list[Server], near: set[str] | None, speed: float, memory_blocks: int,
+                  num_blocks: int) -> tuple[int, list[float] | None]:
+    """(the stage share, the region's capacities or None). With distances known the share is taken among the
+    region's peers (its clients' pipelines are made of them): the first peer of a region takes what it would
+    alone, so that the next ones can complete the chain."""
+    mine = others if near is None else [s for s in others if s.peer in near]
+    return stage_blocks(speed, memory_blocks, peers(mine), num_blocks), region(others, near, memory_blocks, num_blocks)
+
+
+def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int,
+         near: set[str] | None = None, min_blocks: int = 1) -> Score:
     """Where a peer of `speed` that can hold `memory_blocks` blocks should serve, given the other servers
-    (its own records are left out)."""
+    (its own records are left out) and the peers `near` it. `min_blocks` = `memory_blocks` fixes the length
+    (a peer told how many blocks to serve, which has no stage share): `best_span`, so beyond the share only to
+    fill holes."""
     others = [s for s in served if s.peer != peer]
-    prefer = stage_blocks(speed, memory_blocks, peers(others), num_blocks)
-    return choose(capacities(num_blocks, others), speed, memory_blocks, prefer)
+    prefer, local = _region_terms(others, near, speed, memory_blocks, num_blocks)
+    return best_span(capacities(num_blocks, others), speed, memory_blocks,
+                     prefer if min_blocks < memory_blocks else None, min_blocks, local)
 
 
 def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: int | None) -> Score:
@@ -264,12 +313,12 @@ def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: i
 
 
 def decide(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int, current: Span,
-           margin: float = MARGIN, min_blocks: int = 1) -> Score | None:
+           margin: float = MARGIN, min_blocks: int = 1, near: set[str] | None = None) -> Score | None:
     """Whether a peer serving `current` should move (the span to move to) or stay (None); see `rebalance`.
     `min_blocks` = `memory_blocks` keeps the span's length (a peer told how many blocks to serve)."""
     others = [s for s in served if s.peer != peer]
-    prefer = stage_blocks(speed, memory_blocks, peers(others), num_blocks)
-    return rebalance(capacities(num_blocks, others), speed, current, memory_blocks, margin, prefer, min_blocks)
+    prefer, local = _region_terms(others, near, speed, memory_blocks, num_blocks)
+    return rebalance(capacities(num_blocks, others), speed, current, memory_blocks, margin, prefer, min_blocks, local)
 
 
 def claims_before(served: Iterable[Server], peer: str, since: float) -> list[Server]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from peer.announcer import Announcer, Figures
-from peer.balancer import Links, SwarmView, jittered
+from peer.balancer import Distances, Links, SwarmView, jittered
 from peer.capacity import BlockCost, Capacity, CapacityCache, measure_block
 from peer.config import PeerConfig
 from peer.metrics import PeerMetrics
@@ -115,15 +115,13 @@ def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig, precision: P
 
 
 def first_span(config: PeerConfig, served: list[view.Server], peer: str, speed: float, memory: int,
-               num_blocks: int) -> placement.Score:
+               num_blocks: int, near: set[str] | None = None) -> placement.Score:
     """The span to start with: --blocks, else the placement's choice (--num-blocks fixes the length)."""
     if config.blocks is not None:
         config.blocks.check_within(num_blocks)
         return placement.score([0.0] * num_blocks, config.blocks, speed)
-    if config.num_blocks is not None:
-        others = [s for s in served if s.peer != peer]
-        return placement.best_span(placement.capacities(num_blocks, others), speed, memory, min_blocks=memory)
-    return placement.plan(served, peer, speed, memory, num_blocks)
+    return placement.plan(served, peer, speed, memory, num_blocks, near,
+                          min_blocks=memory if config.num_blocks is not None else 1)
 
 
 @contextlib.asynccontextmanager
@@ -213,6 +211,7 @@ class Peer:
         self.memory = memory_blocks(ckpt, config, self.precision)
         self.view = SwarmView(node, model_id, ckpt.num_blocks, digest=digest)
         self.links = Links(node, model_id, ckpt.num_blocks, digest)
+        self.distances, self.near = Distances(node), None  # the peers near this one (placement's region)
         self.movable = config.blocks is None and config.rebalance
         self.rng = random.Random()
         self.servicer: Servicer | None = None
@@ -267,11 +266,13 @@ class Peer:
         cost = await loop.run_in_executor(None, block_cost, ckpt, self.model_id, config, self.precision)
         self.capacity = Capacity(cost)
         served = await self.view.read()
-        choice = first_span(config, served, self.node.peer_id, self.capacity.speed, self.memory, ckpt.num_blocks)
+        self.near = await self.distances.near(served) if config.blocks is None else None
+        choice = first_span(config, served, self.node.peer_id, self.capacity.speed, self.memory, ckpt.num_blocks,
+                            self.near)
         span = choice.span
         logger.info("peer %s chose blocks %s of %d (room for %d, %.1f tokens/s per block; swarm bottleneck %.2f "
-                    "tokens/s with it)", self.name, span, ckpt.num_blocks, self.memory, self.capacity.speed,
-                    choice.bottleneck)
+                    "tokens/s with it; %d peers near, %d blocks none of them serves)", self.name, span, ckpt.num_blocks,
+                    self.memory, self.capacity.speed, choice.bottleneck, len(self.near or ()), choice.local)
         self.announcer = Announcer(self.node, self.identity, self.model_id, span, ckpt.num_blocks, config.record_ttl,
                                    self.digest)
         await self.announce("joining")
@@ -361,10 +362,8 @@ class Peer:
 
     def _decide(self, served: list[view.Server]) -> placement.Score | None:
         return placement.decide(served, self.node.peer_id, self.capacity.speed, self.memory, self.ckpt.num_blocks,
-                                self.span, min_blocks=self._min_blocks())
-
-    def _min_blocks(self) -> int:
-        return self.memory if self.config.num_blocks is not None else 1
+                                self.span, min_blocks=self.memory if self.config.num_blocks is not None else 1,
+                                near=self.near)
 
     async def _announcing(self, work: asyncio.Future, state: str):
         """`work`'s result, re-announcing `state` every announce interval meanwhile (a long download must
@@ -414,6 +413,7 @@ class Peer:
         one, then load the new span, announce it online and drain the old one."""
         if self.draining is not None:
             return  # one move at a time
+        self.near = await self.distances.near(served)
         # decided on two reads: one lookup that missed a record (a DHT query timed out under load) must not make
         # a settled peer claim blocks it would give back a second later
         if self._decide(served) is None or (decision := self._decide(await self.view.read())) is None:
@@ -424,8 +424,8 @@ class Peer:
         old_span, old_blocks = self.span, self.servicer.blocks
         target = decision.span
         logger.info("peer %s: moving from blocks %s to %s would raise the swarm's bottleneck to %.2f tokens/s "
-                    "(%d blocks unserved after it): claiming them", self.name, old_span, target, decision.bottleneck,
-                    decision.holes)
+                    "(%d blocks unserved after it, %d by near peers): claiming them", self.name, old_span, target,
+                    decision.bottleneck, decision.holes, decision.local)
         self.announcer.claim(target)
         await self.announcer.announce("joining", self.figures(), keep=old_span)
         await asyncio.sleep(CLAIM_SETTLE_S)

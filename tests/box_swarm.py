@@ -142,15 +142,15 @@ class BoxSwarm:
         proc.addr = wait_until(public_addr, timeout, f"{name} to print an address on {host.address}", diagnostics=proc.tail)
         return proc
 
-    def peer(self, name: str, host: Host, blocks: str, initial_peers: list[str], *extra: str) -> BoxProc:
-        """`swarm peer` serving `blocks` on `host` (not waited for: see `wait_serving`), listening where a peer
+    def peer(self, name: str, host: Host, blocks: str | None, initial_peers: list[str], *extra: str) -> BoxProc:
+        """`swarm peer` serving `blocks` (None: the placement chooses) on `host` (not waited for: see `wait_serving`), listening where a peer
         listens by default (every interface). A public peer listens on `PEER_PORT`, so its address
         (`proc.addr`) is known at once."""
         key, peer_id = self.identity(name)
         port = ("--port", str(PEER_PORT)) if host.public else ()
         proc = self.spawn(name, host, [sys.executable, "-m", "swarm.cli", "peer", "--model", str(self.model),
                                        "--model-id", self.model_id, "--initial-peers", *initial_peers,
-                                       "--identity", str(key), "--blocks", blocks, *port,
+                                       "--identity", str(key), *(("--blocks", blocks) if blocks else ()), *port,
                                        "--threads", "1", *self.peer_options, *extra])
         proc.peer_id = peer_id
         if host.public:

@@ -41,13 +41,12 @@ import logging
 import os
 import time
 
-from swarm.net import reach
+from swarm.net import distance, reach
 from swarm.net.identity import describe_peer
 
 logger = logging.getLogger("swarm.net.transport")
 
 RELAYS = 3  # slots a NAT'd node reserves at most
-NEAR_FACTOR, NEAR_SLACK_MS = 3.0, 10.0  # only relays this near: round trip <= 3 x the nearest + 10 ms
 MAX_CANDIDATES = 12  # public nodes timed when choosing
 RELAY_TRIES = 8  # daemon starts a public node tries for its own relay
 
@@ -244,7 +243,7 @@ async def choose(node, fallback: list[str]) -> list[str]:
         return fallback
     ranked = sorted(timed)
     nearest = ranked[0][0]
-    chosen = [c for c in ranked if c[0] <= NEAR_FACTOR * nearest + NEAR_SLACK_MS][:RELAYS]
+    chosen = [c for c in ranked if c[0] <= distance.cut_ms(nearest)][:RELAYS]
     logger.info("relays chosen by round trip: %s (of %d candidates)",
                 ", ".join(f"{describe_peer(p)} {ms:.1f} ms" for ms, p, _ in chosen), len(timed))
     return [f"{addr}/p2p/{peer}" for _, peer, addr in chosen]

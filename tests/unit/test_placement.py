@@ -250,3 +250,70 @@ def test_whole_shares_keep_the_slowest_stage_quickest():
     assert placement.whole_shares([(1.0, 30), (2.0, 30), (4.0, 30)], 30) == [4, 8, 18]
     assert placement.whole_shares([(4.0, 3), (2.0, 30), (1.0, 30)], 30) == [3, 18, 9]  # the fast one is full
     assert sum(placement.whole_shares([(float(s), 20) for s in range(1, 40)], 80)) == 6 * 80  # whole copies
+
+
+# ---- regions: the peers near a joining peer complete a chain of their own ----
+
+def join_in_regions(order: list[str], memory: int, num_blocks: int) -> list[tuple[str, Server]]:
+    """Peers of equal speed joining one after another, each in the region named in `order`; a peer's near
+    peers are those of its own region (as `Distances` would find them). Then rebalancing rounds (bounded)."""
+    swarm: list[tuple[str, Server]] = []
+    for i, where in enumerate(order):
+        near = {s.peer for r, s in swarm if r == where}
+        span = plan([s for _, s in swarm], f"p{i}", 1.0, memory, num_blocks, near).span
+        swarm.append((where, Server(f"p{i}", span, 1.0 / len(span), max_blocks=memory)))
+    for _ in range(10):
+        moved = False
+        for i, (where, me) in enumerate(swarm):
+            others = [s for _, s in swarm]
+            near = {s.peer for r, s in swarm if r == where and s.peer != me.peer}
+            to = decide(others, me.peer, 1.0, memory, num_blocks, me.span, near=near)
+            if to is not None:
+                swarm[i] = (where, Server(me.peer, to.span, 1.0 / len(to.span), max_blocks=memory))
+                moved = True
+        if not moved:
+            break
+    return swarm
+
+
+def covered(swarm: list[tuple[str, Server]], region: str, num_blocks: int) -> bool:
+    return not placement.holes(capacities(num_blocks, [s for r, s in swarm if r == region]))
+
+
+@pytest.mark.parametrize("order", [["eu", "us", "eu", "us"], ["eu", "eu", "us", "us"], ["us", "eu", "eu", "us"]])
+def test_peers_joining_in_two_regions_make_each_region_hold_the_whole_model(order):
+    swarm = join_in_regions(order, memory=15, num_blocks=30)
+    assert covered(swarm, "eu", 30) and covered(swarm, "us", 30), swarm
+
+
+def test_without_distances_the_same_peers_leave_each_region_half_the_model():
+    # the placement by throughput alone (no near peers known): the third peer doubles the first half
+    swarm: list[Server] = []
+    for i in range(4):
+        swarm.append(Server(f"p{i}", plan(swarm, f"p{i}", 1.0, 15, 30).span, 1.0 / 15, max_blocks=15))
+    regions = {"eu": [swarm[0], swarm[2]], "us": [swarm[1], swarm[3]]}
+    assert all(placement.holes(capacities(30, peers)) for peers in regions.values()), swarm
+
+
+def test_a_region_without_room_for_the_model_counts_for_nothing():
+    served = [Server("far", Span(0, 30), 1.0 / 30, max_blocks=30), Server("near", Span(0, 10), 0.1, max_blocks=10)]
+    # the near peer and this one hold 20 blocks at most: the region cannot be whole, throughput decides
+    assert placement.region(served, {"near"}, 10, 30) is None
+    assert plan(served, "me", 1.0, 10, 30, near={"near"}).local == 0
+    # with room for the rest the region counts: the blocks no near peer serves win
+    assert placement.region(served, {"near"}, 20, 30) is not None
+    assert plan(served, "me", 1.0, 20, 30, near={"near"}).span == Span(10, 30)
+
+
+def test_a_peer_that_completes_its_region_stays_there_for_the_bottleneck():
+    # eu: a [0:15) and b [15:30); us: c [0:15), f, g and h [15:30). Throughput alone moves b to [0:15) (the
+    # swarm's bottleneck from 2 copies to 3), which would leave its region without [15:30): it stays.
+    half = [Server("a", Span(0, 15), 1 / 15, max_blocks=15), Server("c", Span(0, 15), 1 / 15, max_blocks=15)]
+    half += [Server(p, Span(15, 30), 1 / 15, max_blocks=15) for p in "fgh"]
+    assert decide(half, "b", 1.0, 15, 30, Span(15, 30)).span == Span(0, 15)
+    assert decide(half, "b", 1.0, 15, 30, Span(15, 30), near={"a"}) is None
+    # a peer of a region that holds [0:15) only moves to the blocks it lacks, within its share of the region
+    eu = [Server("a", Span(0, 15), 1 / 15, max_blocks=15), Server("b", Span(0, 15), 1 / 15, max_blocks=15)]
+    assert decide(half[1:] + eu, "e", 1.0, 15, 30, Span(0, 15), near={"b"}).span == Span(15, 30)
+    three = decide(half[1:] + eu, "e", 1.0, 15, 30, Span(0, 15), near={"a", "b"})  # a share of 10 blocks in 3
+    assert three.span == Span(15, 25) and three.local == 5
