@@ -51,7 +51,7 @@ def one_placement(args, bench, want: list[int], root: Path, repo: Path, k: int) 
             for name, r, public in ORDER:
                 if not public:  # the NAT'd peers learn of the public ones (relay candidates) from the bootstrap
                     met = root / "bootstrap" / "identity.key.known-peers.json"
-                    wait_until(lambda: met.exists() and all(procs[n].peer_id in met.read_text() for n in procs), 120,
+                    wait_until(lambda: met.exists() and all(p.peer_id in met.read_text() for p in procs.values() if p.host.public), 120,
                                "the bootstrap to remember the public peers")
                 host = box.public(name, region=r) if public else box.home(name, region=r)
                 procs[name] = sw.peer(name, host, None, [boot.addr])
