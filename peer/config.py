@@ -44,6 +44,8 @@ class PeerConfig:
                                        "forwarded port or a proxy in front of this peer)")
     reachability: str = option("auto", help="how other machines reach this peer: auto (ask the peers it joins "
                                "through to dial it back; behind a NAT, through relays), public or private")
+    relay_slots: int = option(128, help="NAT'd peers this peer holds relay slots for when it is public (0: it relays "
+                              "for nobody; its clients and the peers it pushes to still reach NAT'd peers)")
     identity: Path | None = option(None, help="Ed25519 key file, created on first start (default: a new identity "
                                    "each start)")
     device: str = option("auto", help="where the blocks compute: auto (a CUDA GPU if present, else Apple's MPS, "
@@ -115,6 +117,8 @@ class PeerConfig:
         if self.announce_interval >= self.record_ttl:
             raise ConfigError("--announce-interval must be shorter than --record-ttl, or records expire between "
                               "announcements")
+        if self.relay_slots < 0:
+            raise ConfigError(f"--relay-slots must be 0 or more, not {self.relay_slots}")
         if self.reachability not in ("auto", "public", "private"):
             raise ConfigError(f"--reachability must be auto, public or private, not {self.reachability!r}")
         check_port(self.port, "--port")

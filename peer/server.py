@@ -183,7 +183,8 @@ async def serve(config: PeerConfig, stop: asyncio.Event,
     def node() -> Node:
         return Node(identity, identity_path=config.identity, host=config.host, port=config.port,
                     announce_host=config.announce_host, announce_port=config.announce_port,
-                    initial_peers=config.initial_peers, reachability=config.reachability, relay=RelayLimits(),
+                    initial_peers=config.initial_peers, reachability=config.reachability,
+                    relay=RelayLimits(reservations=config.relay_slots),
                     known_peers=known_peers.path_for(config.identity, Path(cache_home())))
 
     async with joined(node, stop) as node, metrics_endpoint(metrics, config, describe_peer(identity.peer_id)):
@@ -396,8 +397,7 @@ class Peer:
         missing = self.ckpt.missing_files(names)
         if not missing:
             return decision
-        logger.info("peer %s: fetching %d files for blocks %s before claiming them", self.name, len(missing),
-                    decision.span)
+        logger.info("peer %s: fetching %d files for blocks %s before claiming them", self.name, len(missing), decision.span)
         try:
             done = await self._announcing(asyncio.get_running_loop().run_in_executor(None, self.ckpt.fetch, names),
                                           "online")

@@ -172,7 +172,11 @@ async def ensure_own(node, restart) -> None:
             break
         await restart()
     took = time.monotonic() - started
-    if node.relay_checked:
+    if node.relay.reservations == 0:  # ours gives no slot; the built-in one would, and is restarted away above
+        declined, node.relay_checked = node.relay_checked is None, False  # never chosen as a relay, either way
+        logger.info("relaying for nobody (--relay-slots 0): %s after %d daemon start%s", "no slot given (checked)"
+                    if declined else "the daemon's built-in relay still gives slots", attempt, "s" if attempt > 1 else "")
+    elif node.relay_checked:
         logger.info("relaying with this node's own limits (checked in %.1f s, %d daemon start%s)", took, attempt,
                     "s" if attempt > 1 else "")
     elif node.relay_checked is False:

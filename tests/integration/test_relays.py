@@ -1,6 +1,7 @@
 """A public node relays with its own limits (`swarm.net.relays`): hivemind's daemon also runs a built-in relay
 whose circuits are reset after 128 KiB, and which of the two serves is a race inside the daemon. The check
-tells them apart (the built-in one alone: cut short), and a public node starts again until its own serves.
+tells them apart (the built-in one alone: cut short), and a public node starts again until its own serves;
+with no slots to give (`--relay-slots 0`) it gives none and says so.
 Inside a box host (a public address, as a relay has)."""
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ async def main(ip):
                     join_alone=True) as node:
         out["node"] = node.relay_checked
         out["again"] = await relays.check(ip, node._port, node.peer_id, Node.p2p_class)
+    # --relay-slots 0: its own relay gives nobody a slot, and it says it relays for nobody
+    async with Node(Identity.generate(), host="0.0.0.0", reachability="public", relay=reach.RelayLimits(reservations=0),
+                    join_alone=True) as node:
+        out["declining"] = node.relay_checked
+        out["declined"] = await relays.check(ip, node._port, node.peer_id, Node.p2p_class)
     print(json.dumps(out))
 
 asyncio.run(main(sys.argv[1]))
@@ -52,4 +58,5 @@ def test_a_public_node_relays_with_its_own_limits_and_the_check_tells_the_built_
         done = box.run(host, [sys.executable, "-c", SCRIPT, host.address], timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         found = json.loads(done.stdout.strip().splitlines()[-1])
-        assert found == {"builtin": False, "node": True, "again": True}, (found, done.stderr[-2000:])
+        assert found == {"builtin": False, "node": True, "again": True, "declining": False, "declined": None}, \
+            (found, done.stderr[-2000:])

@@ -200,6 +200,7 @@ def test_help_shows_defaults():
     ({"cache_tokens": 0}, "--cache-tokens"), ({"max_sessions": -1}, "--max-sessions"),
     ({"num_blocks": 0}, "--num-blocks"), ({"dtype": "float64"}, "--dtype"),
     ({"announce_interval": 60.0, "record_ttl": 30.0}, "--announce-interval"), ({"port": 70000}, "--port"),
+    ({"relay_slots": -1}, "--relay-slots"),
 ])
 def test_invalid_peer_config_is_a_config_error_naming_the_option(change, flag):
     with pytest.raises(ConfigError, match=flag):
