@@ -8,7 +8,9 @@ none told which blocks: they join one after another, eu's public peer, us's, the
 (each once the one before serves), and the placement chooses their spans. Then per run a fresh client in each
 region measures as in regions.py's routes part: the per-token time with the distances, against the best
 route's floor (the least one way around any route of the swarm, plus the peers' compute measured without
-the distances). Each placement is a fresh box (the peers measure their own speeds, which decide ties).
+the distances). Each placement is a fresh box. The peers share one measured block cost (the first peer's): equal machines,
+equal speeds, as on separate hosts; measured one after another on this machine's two shared cores, every
+later peer found itself slower than the one before, and those differences decided the placement.
 
 With `--baseline-repo DIR` (a checkout of an earlier version), the same first with that version's peers and
 clients: e.g. the placement by throughput alone, before regions counted. The greedy tokens must equal local
@@ -44,7 +46,10 @@ def one_placement(args, bench, want: list[int], root: Path, repo: Path, k: int) 
 
     dist = Distances(args.within_ms, args.between_ms)
     with Box(regions={r: args.within_ms for r in REGIONS}, between_ms=args.between_ms) as box:
-        sw = BoxSwarm(box, root, bench.path, bench.model_id, PEER_OPTIONS, repo=repo)
+        # one block cost for every peer (measured by the first): equal machines, equal speeds. Measured one by one
+        # on two shared cores, each later peer found itself slower than the one before, which decided the ties
+        sw = BoxSwarm(box, root, bench.path, bench.model_id, PEER_OPTIONS + ("--capacity-cache", str(root / "cost.json")),
+                      repo=repo)
         try:
             boot = sw.bootstrap(box.public("boot", region="eu"))
             procs = {}
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{' --baseline-repo DIR' if args.baseline_repo else ''}` on {machine_line()}. {bench.about}; two "
                  f"regions, {args.within_ms:g} ms one way within each, {args.between_ms:g} ms between; the bootstrap "
                  "public in eu; per region a public and a NAT'd peer with room for 15 of the 30 blocks each, joining "
-                 "in turn (eu public, us public, eu NAT'd, us NAT'd), the placement choosing their spans; per "
+                 "in turn (eu public, us public, eu NAT'd, us NAT'd), the placement choosing their spans (one measured "
+                 "block cost shared by all: equal speeds); per "
                  f"placement (a fresh box) {args.runs} fresh clients per region, {args.tokens} greedy tokens each "
                  "(equal to local transformers' in every run). Per-token time with the distances against the best "
                  "route's floor (regions.py's routes part). Medians.", "",
