@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 
 from box_links import Daemons, End, SlotWatch, carrier, identify, kind  # noqa: E402
-from box_swarm import note_lines  # noqa: E402
+from box_swarm import note_lines, wait_until  # noqa: E402
 
 PEER_OPTIONS = ("--cache-tokens", "4096", "--announce-interval", "5", "--record-ttl", "20")
 START_S = 300  # one peer's start on a busy 2-core machine
@@ -182,6 +182,12 @@ MATRIX_PEERS = (("pub1", True, "0:15"), ("pub2", True, "15:30"), ("nat1", False,
 LETTER = {"direct": "D", "hole-punched": "H", "relayed": "R", "failed": "✗"}
 
 
+def matrix_peers(extra_public: int) -> tuple:
+    """The matrix's peers: `MATRIX_PEERS` with `extra_public` more public peers (serving [0:15)) before the NAT'd."""
+    extra = tuple((f"pub{i}", True, "0:15") for i in range(3, 3 + extra_public))
+    return MATRIX_PEERS[:2] + extra + MATRIX_PEERS[2:]
+
+
 def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
     where = {}  # host name -> region, with distances: eu and us in turn
 
@@ -194,7 +200,14 @@ def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
     with boxed(root / "matrix", model, model_id, args.between_ms) as (box, sw):
         boot = sw.bootstrap(box.public("boot", **region("bootstrap")))
         peers = []
-        for name, public, blocks in MATRIX_PEERS:
+        for name, public, blocks in matrix_peers(args.extra_public):
+            if not public and args.extra_public and not any(not p.host.public for p in peers):
+                # the NAT'd peers learn of every public peer from the bootstrap (their relay candidates, which they
+                # dial: each connection's far end tells the daemon its outside address, which it must hear from 4
+                # distinct hosts before it punches holes)
+                met = root / "matrix" / "bootstrap" / "identity.key.known-peers.json"
+                wait_until(lambda: met.exists() and all(p.peer_id in met.read_text() for p in peers), 150,
+                           "the bootstrap to remember the public peers")
             host = box.public(name, **region(name)) if public else box.home(name, **region(name))
             proc = sw.peer(name, host, blocks, [boot.addr])
             slot = SlotWatch(proc)
@@ -246,9 +259,12 @@ def matrix_report(args, nodes: list[End], peers: list, results: dict, regions: d
         pair_of = {(a, b): f"{where[a]} → {where[b]}" for a in names for b in names}
     distances = (f" Two regions, eu and us, 2 ms one way within each and {args.between_ms:g} ms between, the "
                  "nodes in each in turn." if regions else "")
-    command = "--parts matrix" + (f" --between-ms {args.between_ms:g}" if regions else "")
+    command = "--parts matrix" + (f" --between-ms {args.between_ms:g}" if regions else "") + \
+        (f" --extra-public {args.extra_public}" if args.extra_public else "")
+    waited = " (the NAT'd ones once the bootstrap remembered the public ones)" if args.extra_public else ""
     lines = [f"`python benchmarks/home_routers.py {command}` on {machine_line()}. The demo model; a "
-             "bootstrap, 2 public peers and 3 NAT'd peers started one after another, then 2 NAT'd clients, each "
+             f"bootstrap, {2 + args.extra_public} public peers and 3 NAT'd peers started one after another{waited}, "
+             "then 2 NAT'd clients, each "
              f"NAT'd node behind a router of its own (masquerade, nothing in unasked).{distances} For every ordered pair, the "
              "first node's transport daemon opens a stream to the second by peer id and a byte is echoed; the "
              f"connection it ends on, {args.punch_wait:.0f} s later: **D** direct, **H** hole-punched (both "
@@ -287,7 +303,7 @@ def matrix_report(args, nodes: list[End], peers: list, results: dict, regions: d
                      + ".")
     lines += ["", "| peer | where | blocks | reachability (logged) | relay slot held after (s) | ... logged after (s) "
               "| serving after (s) |", "|---|---|---|---|---:|---:|---:|"]
-    for proc, (name, public, blocks) in zip(peers, MATRIX_PEERS):
+    for proc, (name, public, blocks) in zip(peers, matrix_peers(args.extra_public)):
         lines.append(f"| {name} | {where[name]} | [{blocks}) | {reachability(proc)} | "
                      f"{fmt(proc.extra.get('relay slot'))} | {fmt(proc.extra.get('reachable through relay'))} | "
                      f"{fmt(proc.extra.get('serving blocks'))} |")
@@ -465,6 +481,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=("matrix", "routes"), default=["matrix", "routes"])
     parser.add_argument("--between-ms", type=float, default=0.0,
                         help="matrix: two regions (eu, us: 2 ms one way within each), this far apart one way")
+    parser.add_argument("--extra-public", type=int, default=0,
+                        help="matrix: this many more public peers (a NAT'd node punches holes only once 4 hosts saw "
+                             "its outside address)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens of a decode run")
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="the prefill run's prompt")
@@ -505,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         if "matrix" in args.parts:
             name, title = (("home-routers-matrix-regions", "### Home routers: who reaches whom, across regions")
                            if args.between_ms else ("home-routers-matrix", "### Home routers: who reaches whom"))
+            if args.extra_public:
+                name, title = f"{name}-punch", f"{title}, with {2 + args.extra_public} public peers"
             sections[name] = [title, "", *matrix(args, bench.path, bench.model_id, root)]
         if "routes" in args.parts:
             local = AutoModelForCausalLM.from_pretrained(bench.path, dtype=torch.float32).eval()

@@ -4,6 +4,7 @@ and the validator every DHT node of ours applies (see `swarm.net.transport`'s do
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
 import logging
@@ -97,3 +98,23 @@ def validate_entries(protocol, key: bytes, dictionary) -> bool:
     for subkey in refused:
         del dictionary[subkey]
     return bool(dictionary) or not refused
+
+
+STOP_TASKS_S = 1.0  # hivemind's client tasks end once cancelled
+
+
+async def collect_client_tasks(p2p) -> None:
+    """Cancel and await the tasks of hivemind's daemon client. Once the daemon is gone they fail on its
+    closed sockets; awaited here, their errors are expected and logged, not left to the event loop."""
+    control = getattr(p2p._client, "control", None)
+    tasks = [p2p._reader_task, p2p._listen_task]
+    if control is not None:
+        tasks += [control._read_task, control._write_task, *control._handler_tasks.values()]
+    tasks = [t for t in tasks if t is not None]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            logger.debug("transport task %s ended with %r", task.get_name(), task.exception())

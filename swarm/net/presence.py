@@ -1,8 +1,9 @@
 """A node's presence off this machine, watched while it runs: the relays it is reachable through, a warning
 when it has none or announces only private addresses, and the file of peers it met (`known_peers`).
 
-`watch(node)` runs as one task of a `transport.Node` that is not on loopback; it only reads the daemon's
-addresses and asks connected peers where they can be dialled, so it never changes how the node works.
+`watch(node)` runs as one task of a `transport.Node` that is not on loopback; it reads the daemon's addresses
+and asks connected peers where they can be dialled, and changes how the node works in one case only: a NAT'd
+node that lost every relay chooses new ones (`relays.replace`, which starts its daemon again).
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import math
 import time
 
 from swarm.net.identity import describe_peer
+from swarm.net.relays import replace
 from swarm.net.reach import (ASK_TIMEOUT_S, PRIVATE, PUBLIC, UNKNOWN, ask, check, ip_of, is_loopback_addr,
                              is_private_addr, peer_of)
 
 logger = logging.getLogger("swarm.net.transport")
 
 WATCH_GRACE_S = 10.0  # a private node without a relay after this long is warned about
+REPLACE_AFTER_S = 5.0  # a private node that lost every relay this long ago chooses new ones (`relays.replace`)
+REPLACE_EVERY_S = 60.0  # and not again before this long
 KNOWN_PEERS_AT_S = (5.0, 20.0, 60.0)  # when a node first asks the peers it is connected to where they are
 KNOWN_PEERS_INTERVAL_S = 120.0  # and how often after that
 
@@ -28,6 +32,7 @@ async def watch(node) -> None:
     about), warn about a node announcing only private addresses, check again how it is reached when its
     addresses change (or when it had nobody to ask), and keep the file of peers met. Runs until cancelled."""
     started, warned, last_known, last_direct = time.monotonic(), False, -math.inf, None
+    lost_at, replaced_at = math.inf, -math.inf  # when the last relay was lost; when relays were last replaced
     first_asks = list(KNOWN_PEERS_AT_S)
     while True:
         now = time.monotonic()
@@ -42,11 +47,18 @@ async def watch(node) -> None:
                 if relays:
                     logger.info("reachable through relay %s", ", ".join(describe_peer(r) for r in relays))
                 elif node.relays:
-                    logger.warning("no longer reachable through a relay (was %s); the daemon retries",
+                    logger.warning("no longer reachable through a relay (was %s)",
                                    ", ".join(describe_peer(r) for r in node.relays))
+                    lost_at = now
                 node.relays = relays
+            if relays:
+                lost_at = math.inf
+            elif node.reach == PRIVATE and now - lost_at >= REPLACE_AFTER_S and now - replaced_at >= REPLACE_EVERY_S:
+                replaced_at = now
+                if await replace(node):
+                    lost_at = math.inf
             direct = [a for a in addrs if ip_of(a) and not is_loopback_addr(a)]
-            if not warned and now - started > WATCH_GRACE_S and not node.client_mode:
+            if not warned and now - started > WATCH_GRACE_S and not node.client_mode and lost_at == math.inf:
                 warned = _warn(node, relays, direct)
             moved = last_direct is not None and frozenset(direct) != last_direct
             last_direct = frozenset(direct)
@@ -56,8 +68,9 @@ async def watch(node) -> None:
                 last_known = now
                 await remember_peers(node)
         except Exception as e:  # boundary: a daemon gone away is reported by its own watcher; the rest is logged
-            logger.debug("reachability watch: %r", e)
-        await asyncio.sleep(2.0 if now - started < WATCH_GRACE_S * 3 else 15.0)
+            logger.log(logging.WARNING if lost_at < math.inf else logging.DEBUG, "reachability watch: %r", e)
+        await asyncio.sleep(2.0 if now - started < WATCH_GRACE_S * 3 or lost_at < math.inf else
+                            5.0 if node.reach == PRIVATE else 15.0)
 
 
 def _warn(node, relays: list[str], direct: list[str]) -> bool:

@@ -11,6 +11,13 @@ not either. With no answer at all, the node falls back to its initial peers and 
 daemon's static relays are exactly these, so all of them are live when it starts: its relay finder waits
 for as many candidates as it was given (minutes, when one of them is dead) before it takes any slot.
 
+**Replaced.** The daemon holds a slot on every relay it was given and takes no other (its static relays are
+all its candidates), and it cannot be given one while it runs. A NAT'd node whose relays are all gone
+(`presence.watch`: none in its own addresses for `REPLACE_AFTER_S`) chooses again among the public peers it
+knows now and, when that finds one it did not hold, starts its daemon again with them (`replace`): its DHT node
+and stream handlers are set up again on the new daemon, and the sessions it served (dead with their relays
+anyway) fail over. With two or more near relays a node loses none of this to one relay's death.
+
 **Their limits.** 
 hivemind's daemon runs two relay services on the same protocol: ours, with the limits it is given, created
 once the node is known to be public, and a built-in one with the circuit relay v2 defaults, whose relayed
@@ -253,4 +260,31 @@ async def choose(node, fallback: list[str]) -> list[str]:
     return [f"{addr}/p2p/{peer}" for _, peer, addr in chosen]
 
 
-__all__ = ["check", "choose", "ensure_own", "refusal", "CHECK_BYTES", "RELAYS", "circuit_addr"]
+async def replace(node) -> bool:
+    """A NAT'd node that lost every relay: choose relays anew among the public peers it knows now (`choose`) and
+    start its daemon again with them (see the module docstring). Whether it did (False: nothing new to choose)."""
+    given = [a for a in node._settings[0].get("trusted_relays") or []]
+    fallback = [a for a in node._joined_through if a not in given]
+    chosen = await choose(node, fallback)
+    if not chosen or {reach.peer_of(a) for a in chosen} <= {reach.peer_of(a) for a in given}:
+        logger.warning("no relay left, and no other public peer answered as one: the daemon retries its relays")
+        return False
+    started, before = time.monotonic(), (node._settings, list(node._joined_through))
+    await node._stop_dht()
+    await node._stop_for_restart()
+    try:
+        await node._start_daemon(*reach.daemon_settings(reach.PRIVATE, relays=chosen, limits=node.relay), chosen)
+        node._joined_through = list(chosen)
+    except Exception as e:  # boundary: the node must come back, as it was if not with new relays
+        logger.warning("starting the daemon with relays %s failed (%s): starting it as it was", ", ".join(chosen), e)
+        await node._stop_for_restart()
+        await node._start_daemon(*before[0], before[1])
+    for protocol, handler in node._handlers.items():
+        await node._p2p.add_binary_stream_handler(protocol, handler)
+    await node._make_dht()
+    logger.info("daemon started again with relays %s in %.1f s: its sessions fail over to other peers or to it",
+                ", ".join(describe_peer(reach.peer_of(a)) for a in chosen), time.monotonic() - started)
+    return True
+
+
+__all__ = ["check", "choose", "ensure_own", "refusal", "replace", "CHECK_BYTES", "RELAYS", "circuit_addr"]

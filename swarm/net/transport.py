@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.net import presence, reach, reaper, relays
-from swarm.net.dht_glue import hm as _hm, key_id  # noqa: F401 (key_id: part of this module's interface)
+from swarm.net.dht_glue import collect_client_tasks, hm as _hm, key_id  # noqa: F401 (key_id: part of this module's interface)
 from swarm.net.dht_glue import make_validator as _make_validator, validate_entries as _validate_entries
 from swarm.net.known_peers import KnownPeers
 from swarm.errors import ConfigError, ConnectionLost, SwarmError, SwarmUnreachable
@@ -59,7 +59,6 @@ logger = logging.getLogger(__name__)
 # only matter when something hangs.
 STOP_DHT_S = 1.0  # the DHT removes its handlers from the daemon
 STOP_DAEMON_S = 2.0  # the daemon exits after SIGTERM, else it is killed
-STOP_TASKS_S = 1.0  # hivemind's client tasks end once cancelled
 
 
 @dataclass
@@ -142,6 +141,7 @@ class Node:
         self.relay_checked: bool | None = None  # a public relay: whether its own limits serve (`relays.check`)
         self.counters = {"accepted": 0, "rejected": 0}
         self._p2p = self._dht = self._reaper = self._watch = None
+        self._handlers: dict = {}  # protocol -> the daemon's stream handler (registered again after a restart)
         self._port = port
         self._joined_through: list[str] = list(initial_peers)
         self._daemon_exit: asyncio.Task | None = None  # done once the daemon process has exited
@@ -171,16 +171,7 @@ class Node:
                                          self.initial_peers)
             else:
                 await self._join()
-            try:
-                self._dht = await hm.DHTNode.create(
-                    p2p=self._p2p, initial_peers=self._joined_through or None,
-                    client_mode=self.client_mode or self.reach == reach.PRIVATE,
-                    record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
-                    cache_locally=False, cache_nearest=0)
-            except RuntimeError as e:  # hivemind's way of saying no initial peer answered
-                raise SwarmUnreachable(f"none of the initial peers answered ({e}); is the bootstrap node running "
-                                       f"and reachable at {', '.join(self._joined_through)}?") from None
-            self._dht.protocol._validate_dictionary = functools.partial(_validate_entries, self._dht.protocol)
+            await self._make_dht()
             if not self.client_mode:
                 helper = reach.Helper(self._observed_ip, self.dialable_maddrs, lambda: self.relay_checked,
                                       self.known.load if self.known is not None else dict)
@@ -191,6 +182,18 @@ class Node:
             await self._stop()
             raise
         return self
+
+    async def _make_dht(self) -> None:
+        try:
+            self._dht = await _hm().DHTNode.create(
+                p2p=self._p2p, initial_peers=self._joined_through or None,
+                client_mode=self.client_mode or self.reach == reach.PRIVATE,
+                record_validator=_make_validator(self.counters), wait_timeout=self.dht_wait_timeout,
+                cache_locally=False, cache_nearest=0)
+        except RuntimeError as e:  # hivemind's way of saying no initial peer answered
+            raise SwarmUnreachable(f"none of the initial peers answered ({e}); is the bootstrap node running "
+                                   f"and reachable at {', '.join(self._joined_through)}?") from None
+        self._dht.protocol._validate_dictionary = functools.partial(_validate_entries, self._dht.protocol)
 
     async def _start_daemon(self, kwargs: dict, extra: dict, initial: Sequence[str]) -> None:
         """Start the daemon (and its reaper) with these `P2P.create` arguments and extra daemon flags."""
@@ -337,18 +340,21 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only logs
                 await self._watch
             self._watch = None
-        if self._dht is not None:
-            with contextlib.suppress(Exception):  # best effort: the daemon forgets the handlers when it exits
-                await asyncio.wait_for(self._dht.shutdown(), STOP_DHT_S)
-            self._dht.is_alive = False  # ends its background loops even if its shutdown did not finish
-            self._dht = None
+        await self._stop_dht()
         await self._stop_transport()
+
+    async def _stop_dht(self) -> None:
+        if self._dht is not None:
+            dht, self._dht = self._dht, None  # records calls meanwhile fail as offline (`_check_daemon`)
+            with contextlib.suppress(Exception):  # best effort: the daemon forgets the handlers when it exits
+                await asyncio.wait_for(dht.shutdown(), STOP_DHT_S)
+            dht.is_alive = False  # ends its background loops even if its shutdown did not finish
 
     async def _stop_transport(self) -> None:
         """The daemon, its client's tasks, the reaper (also between two starts of the daemon while joining)."""
         if self._p2p is not None:
             await self._stop_daemon()
-            await self._collect_client_tasks()
+            await collect_client_tasks(self._p2p)
         if self._daemon_exit is not None:
             self._daemon_exit.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only the exit code
@@ -382,23 +388,6 @@ class Node:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(child.wait(), STOP_DAEMON_S)
 
-    async def _collect_client_tasks(self) -> None:
-        """Cancel and await the tasks of hivemind's daemon client. Once the daemon is gone they fail on its
-        closed sockets; awaited here, their errors are expected and logged, not left to the event loop."""
-        p2p = self._p2p
-        control = getattr(p2p._client, "control", None)
-        tasks = [p2p._reader_task, p2p._listen_task]
-        if control is not None:
-            tasks += [control._read_task, control._write_task, *control._handler_tasks.values()]
-        tasks = [t for t in tasks if t is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=STOP_TASKS_S)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                logger.debug("transport task %s ended with %r", task.get_name(), task.exception())
-
     def _on_daemon_exit(self, exit_task: asyncio.Task) -> None:
         """The daemon is gone: calls waiting for its replies, and later ones, fail (see the module docstring)."""
         if exit_task.cancelled():
@@ -413,7 +402,7 @@ class Node:
             control._pending_calls = _RefusedCalls(control._pending_calls, f"the transport daemon exited (code {code})")
 
     def _check_daemon(self) -> None:
-        if self._daemon_exit is None or self._daemon_exit.done():
+        if self._daemon_exit is None or self._daemon_exit.done() or self._dht is None:
             raise SwarmError("the transport daemon is not running: this node is offline; restart it")
 
     @property
@@ -478,6 +467,7 @@ class Node:
             finally:
                 await stream.aclose()
 
+        self._handlers[protocol] = on_stream
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
 
     async def open(self, peer: PeerId, protocol: str) -> Stream:

@@ -6,6 +6,7 @@ Inside a box host (a public address, as a relay has)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -60,3 +61,55 @@ def test_a_public_node_relays_with_its_own_limits_and_the_check_tells_the_built_
         found = json.loads(done.stdout.strip().splitlines()[-1])
         assert found == {"builtin": False, "node": True, "again": True, "declining": False, "declined": None}, \
             (found, done.stderr[-2000:])
+
+
+def test_a_nat_peer_whose_only_relay_died_takes_another_and_serves_a_new_client(tmp_path, tiny_llama, local):
+    """Two regions; the bootstrap far away (us). A NAT'd peer in eu [3:6) starts when the only public peer near
+    it is pub1 [0:3): pub1 is its only relay. pub2 [0:3) starts near it later; pub1 is killed. Within 30 s the
+    NAT'd peer holds a slot on pub2 (its daemon started again with it), and a new NAT'd client in eu, which
+    reaches it only through a relay, generates transformers' greedy tokens through it."""
+    import time
+
+    import torch
+
+    from box_links import relays
+    from box_swarm import BoxSwarm, wait_until
+
+    def slots(proc) -> list[str]:
+        try:
+            return asyncio.run(relays(proc.popen.pid))
+        except Exception:  # its daemon starting again: no answer yet
+            return []
+
+    prompt, new = [5, 17, 42, 99, 3, 64, 200, 11], 12
+    expected = local.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0).tolist()
+    options = ("--cache-tokens", "1024", "--announce-interval", "2", "--record-ttl", "8")
+    with Box(regions={"eu": 2.0, "us": 2.0}, between_ms=30.0) as box:
+        sw = BoxSwarm(box, tmp_path, tiny_llama, "tiny-llama", options)
+        try:
+            boot = sw.bootstrap(box.public("boot", region="us"))
+            pub1 = sw.peer("pub1", box.public("pub1", region="eu"), "0:3", [boot.addr])
+            sw.wait_serving([pub1], 90)
+            met = tmp_path / "bootstrap" / "identity.key.known-peers.json"
+            wait_until(lambda: met.exists() and pub1.peer_id in met.read_text(), 120, "the bootstrap to remember pub1")
+            nat = sw.peer("nat", box.home("nat", region="eu"), "3:6", [boot.addr])
+            sw.wait_serving([nat], 90)
+            held = wait_until(lambda: slots(nat), 30, "nat to hold a relay slot", interval=1, diagnostics=nat.tail)
+            assert held == [pub1.peer_id], held
+            pub2 = sw.peer("pub2", box.public("pub2", region="eu"), "0:3", [boot.addr])
+            sw.wait_serving([pub2], 90)
+            sw.kill(pub1)
+            killed = time.monotonic()
+            wait_until(lambda: slots(nat) == [pub2.peer_id], 30, "nat to hold a slot on pub2",
+                       interval=1, diagnostics=nat.tail)
+            took = time.monotonic() - killed
+            assert took <= 30, took
+            assert "daemon started again with relays" in nat.text(), nat.tail()
+            run = sw.client("cli", box.home("cli", region="eu"), [boot.addr, pub2.addr], prompt, new)
+            done = run.expect("done", 120)
+            assert done["event"] == "done", (done, run.proc.tail())
+            assert done["tokens"] == expected
+            assert [p for p, _ in done["route"]] == [pub2.peer_id, nat.peer_id], done["route"]
+        except BaseException:
+            print(sw.diagnostics())
+            raise
