@@ -8,10 +8,12 @@
   hole be filled in seconds rather than a TTL.
 - `Links` keeps the round trips to the peers this peer pushes to and to those serving the block after its
   span (an info call each, every announce interval), announced in compact form for the clients' route costs.
-- `Distances` keeps the round trips to every other peer the view shows, for placement: which peers are near
-  (its region, `swarm.net.distance`). Each is timed when first seen and again `REMEASURE_S` later; its round
-  trip is the least of all its info calls (the first may open the connection, a busy peer answers late: only
-  the least is the distance). A peer that does not answer is near to nobody. On one machine nothing is timed.
+- `Distances` keeps the round trips to every other online peer the view shows, for placement: which peers are
+  near (its region, `swarm.net.distance.region`). Each is timed when first seen and again `REMEASURE_S` later;
+  its round trip is the least of all its info calls (the first may open the connection, a busy peer answers
+  late: only the least is the distance). One that does not answer keeps what was measured before (none: not
+  near) and is tried again after `RETRY_S`. Until every peer was tried the region is unknown (None), as on one
+  machine, where nothing is timed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ LOST_RETRY_S = 0.25  # a peer that cannot be reached is tried once more after th
 SILENT_PINGS = 3  # pings in a row a peer may leave unanswered (busy, or frozen) before its blocks count as unserved
 EMA_ALPHA = 0.3
 REMEASURE_S = 300.0  # a peer's round trip is timed again after this long
-MAX_TIMED = 16  # peers timed per placement decision at most (the rest at the next one)
+RETRY_S = 30.0  # one that did not answer, after this long
+MAX_TIMED, MAX_AT_ONCE = 64, 16  # peers timed per placement decision at most (the rest at the next one); at once
 
 
 async def round_trip_ms(node: Node, peer: str, timeout: float) -> float | None:
@@ -205,29 +208,34 @@ class Distances:
 
     def __init__(self, node: Node, timeout: float = 1.0):
         self.node, self.timeout = node, timeout
-        self.rtt_ms: dict[str, float] = {}
-        self.timed_at: dict[str, float] = {}  # peer -> when it was last timed (monotonic)
+        self.rtt_ms: dict[str, float] = {}  # the least round trip ever measured to each peer
+        self.timed_at: dict[str, float] = {}  # peer -> when it was last timed, or tried (monotonic)
 
     async def near(self, served: list[view.Server]) -> set[str] | None:
-        """The peers of `served` near this one (empty: none is); None on one machine or if none could be timed."""
+        """The online peers of `served` near this one (empty: none is); None on one machine, or while some are
+        not tried yet (the region is not known)."""
         if self.node.local:
             return None
         now = time.monotonic()
-        peers = list(dict.fromkeys(s.peer for s in served if s.peer != self.node.peer_id))
-        due = [p for p in peers if now - self.timed_at.get(p, -math.inf) >= REMEASURE_S][:MAX_TIMED]
-        results = await asyncio.gather(*(self._time(p) for p in due))
-        for peer, ms in zip(due, results):
-            self.timed_at[peer] = now
-            if ms is None:
-                self.rtt_ms.pop(peer, None)
-            else:
+        peers = list(dict.fromkeys(s.peer for s in served if s.peer != self.node.peer_id and s.state == "online"))
+        due = [p for p in peers if now - self.timed_at.get(p, -math.inf) >=
+               (REMEASURE_S if p in self.rtt_ms else RETRY_S)][:MAX_TIMED]
+        gate = asyncio.Semaphore(MAX_AT_ONCE)
+
+        async def timed(peer: str) -> float | None:
+            async with gate:
+                return await self._time(peer)
+
+        for peer, ms in zip(due, await asyncio.gather(*(timed(p) for p in due))):
+            self.timed_at[peer] = now  # a failure keeps what was measured before; tried again after RETRY_S
+            if ms is not None:
                 self.rtt_ms[peer] = min(ms, self.rtt_ms.get(peer, math.inf))
         for gone in [p for p in self.timed_at if p not in peers]:  # bounded by the swarm's size
             self.timed_at.pop(gone)
             self.rtt_ms.pop(gone, None)
-        if peers and not self.rtt_ms:
+        if any(p not in self.timed_at for p in peers):
             return None
-        return distance.near(self.rtt_ms, distance.REGION_MS)
+        return distance.region({p: ms for p, ms in self.rtt_ms.items() if p in peers})
 
     async def _time(self, peer: str) -> float | None:
         first = await round_trip_ms(self.node, peer, self.timeout * 5)  # it may open the connection

@@ -19,8 +19,8 @@ Choosing (`best_span`): a peer of speed `s` with room for `memory_blocks` blocks
      positive capacity so that they weigh most;
   6. more blocks (fewer hops for clients), then the lowest start (reproducible).
 
-Regions: the peers near this one (`swarm.net.distance`, by round trips the peer measures: no configured
-label; none beyond `swarm.net.distance.REGION_MS`) are its region. When the region, this peer included, has room for the whole model (the memory its
+Regions: the peers within `swarm.net.distance.REGION_MS` (50 ms) of round trip from this one, as the peer
+measures it (no configured label), are its region. When the region, this peer included, has room for the whole model (the memory its
 peers announce adds up to the model's blocks), a span that serves a block no near peer serves wins over one
 that does not, after the swarm's own holes and within the stage share: so peers joining a region complete a
 chain of near peers, and a client there routes without crossing to another region (at 60 ms a round trip,

@@ -49,6 +49,7 @@ import os
 import time
 
 from swarm.net import distance, reach
+from swarm.errors import SwarmError
 from swarm.net.identity import describe_peer
 
 logger = logging.getLogger("swarm.net.transport")
@@ -217,6 +218,23 @@ async def _dial(node, peer: str, addrs: list[str]) -> None:
 async def choose(node, fallback: list[str]) -> list[str]:
     """Full multiaddrs of up to `RELAYS` relays for `node` (see the module docstring); `fallback` if none
     answered."""
+    timed = await _timed_candidates(node, fallback)
+    if not timed:
+        logger.info("no public peer answered as a relay candidate: asking the initial peers and those met before")
+        return fallback
+    return _nearest(timed)
+
+
+def _nearest(timed: list[tuple[float, str, str]]) -> list[str]:
+    ranked = sorted(timed)
+    chosen = [c for c in ranked if c[0] <= distance.cut_ms(ranked[0][0])][:RELAYS]
+    logger.info("relays chosen by round trip: %s (of %d candidates)",
+                ", ".join(f"{describe_peer(p)} {ms:.1f} ms" for ms, p, _ in chosen), len(timed))
+    return [f"{addr}/p2p/{peer}" for _, peer, addr in chosen]
+
+
+async def _timed_candidates(node, fallback: list[str]) -> list[tuple[float, str, str]]:
+    """(round trip ms, peer, address) of each public node that answered as a relay candidate."""
     known: dict[str, list[str]] = {}
     for addr in fallback:
         known.setdefault(reach.peer_of(addr), []).append(addr.split("/p2p/")[0])
@@ -248,43 +266,51 @@ async def choose(node, fallback: list[str]) -> list[str]:
         return ms, peer, addrs[0]
 
     peers = [p for p in dict.fromkeys(asked + list(known)) if p != node.peer_id][:MAX_CANDIDATES]
-    timed = [c for c in await asyncio.gather(*(candidate(p) for p in peers)) if c is not None]
-    if not timed:
-        logger.info("no public peer answered as a relay candidate: asking the initial peers and those met before")
-        return fallback
-    ranked = sorted(timed)
-    nearest = ranked[0][0]
-    chosen = [c for c in ranked if c[0] <= distance.cut_ms(nearest)][:RELAYS]
-    logger.info("relays chosen by round trip: %s (of %d candidates)",
-                ", ".join(f"{describe_peer(p)} {ms:.1f} ms" for ms, p, _ in chosen), len(timed))
-    return [f"{addr}/p2p/{peer}" for _, peer, addr in chosen]
+    return [c for c in await asyncio.gather(*(candidate(p) for p in peers)) if c is not None]
 
 
 async def replace(node) -> bool:
-    """A NAT'd node that lost every relay: choose relays anew among the public peers it knows now (`choose`) and
-    start its daemon again with them (see the module docstring). Whether it did (False: nothing new to choose)."""
-    given = [a for a in node._settings[0].get("trusted_relays") or []]
-    fallback = [a for a in node._joined_through if a not in given]
-    chosen = await choose(node, fallback)
-    if not chosen or {reach.peer_of(a) for a in chosen} <= {reach.peer_of(a) for a in given}:
-        logger.warning("no relay left, and no other public peer answered as one: the daemon retries its relays")
+    """A NAT'd node that lost every relay: choose relays anew among the public peers that answer now and start
+    its daemon again with them (see the module docstring). Whether it did (False: no new relay answered).
+    Shielded: a node stopped meanwhile waits for it (`Node._stop`), so no daemon is left behind."""
+    given = {reach.peer_of(a) for a in node._settings[0].get("trusted_relays") or []}
+    timed = [c for c in await _timed_candidates(node, list(node._joined_through)) if c[1] not in given]
+    if not timed:
+        logger.warning("no relay left, and no other public peer answered as one: trying again in a minute")
         return False
+    node._replacing = asyncio.ensure_future(_restart(node, _nearest(timed)))
+    return await asyncio.shield(node._replacing)
+
+
+async def _restart(node, chosen: list[str]) -> bool:
+    """Start the daemon again with relays `chosen`; failing that, as it was; failing that, joined through
+    nobody (the daemon meets its peers again through the DHT node's own lookups). Then the DHT node and the
+    stream handlers on it. Ends with a running daemon whatever fails."""
     started, before = time.monotonic(), (node._settings, list(node._joined_through))
     await node._stop_dht()
-    await node._stop_for_restart()
-    try:
-        await node._start_daemon(*reach.daemon_settings(reach.PRIVATE, relays=chosen, limits=node.relay), chosen)
-        node._joined_through = list(chosen)
-    except Exception as e:  # boundary: the node must come back, as it was if not with new relays
-        logger.warning("starting the daemon with relays %s failed (%s): starting it as it was", ", ".join(chosen), e)
+    tries = [(reach.daemon_settings(reach.PRIVATE, relays=chosen, limits=node.relay), chosen), before,
+             (before[0], [])]
+    for (kwargs, extra), initial in tries:
         await node._stop_for_restart()
-        await node._start_daemon(*before[0], before[1])
+        try:
+            await node._start_daemon(kwargs, extra, initial)
+            node._joined_through = list(initial)
+            break
+        except Exception as e:  # boundary: the next try; the last one joins through nobody, which cannot fail so
+            logger.warning("starting the transport daemon again (%s) failed: %s", ", ".join(initial) or "alone", e)
     for protocol, handler in node._handlers.items():
         await node._p2p.add_binary_stream_handler(protocol, handler)
-    await node._make_dht()
-    logger.info("daemon started again with relays %s in %.1f s: its sessions fail over to other peers or to it",
-                ", ".join(describe_peer(reach.peer_of(a)) for a in chosen), time.monotonic() - started)
-    return True
+    try:
+        await node._make_dht()
+    except SwarmError as e:  # nobody it joined through answered: a DHT node of its own, found by the others
+        logger.warning("the DHT node did not join again (%s): starting it alone", e)
+        node._joined_through = []
+        await node._make_dht()
+    ok = node._joined_through == chosen
+    logger.info("daemon started again%s in %.1f s: its sessions fail over to other peers or to it",
+                f" with relays {', '.join(describe_peer(reach.peer_of(a)) for a in chosen)}" if ok else
+                " as it was", time.monotonic() - started)
+    return ok
 
 
 __all__ = ["check", "choose", "ensure_own", "refusal", "replace", "CHECK_BYTES", "RELAYS", "circuit_addr"]

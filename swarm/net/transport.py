@@ -142,6 +142,7 @@ class Node:
         self.counters = {"accepted": 0, "rejected": 0}
         self._p2p = self._dht = self._reaper = self._watch = None
         self._handlers: dict = {}  # protocol -> the daemon's stream handler (registered again after a restart)
+        self._replacing: asyncio.Future | None = None  # a restart with new relays (`relays.replace`), if one runs
         self._port = port
         self._joined_through: list[str] = list(initial_peers)
         self._daemon_exit: asyncio.Task | None = None  # done once the daemon process has exited
@@ -335,6 +336,8 @@ class Node:
         """Stop in order, each stage bounded: the DHT (while the daemon can still hear it), the daemon, the
         daemon client's tasks, the reaper. Never raises: whatever fails here, the next stage still runs."""
         self._stopping = True
+        if self._replacing is not None and not self._replacing.done():  # it ends with a daemon: then stop that one
+            await asyncio.wait([self._replacing], timeout=STOP_DAEMON_S * 6)
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is only logs
@@ -402,6 +405,8 @@ class Node:
             control._pending_calls = _RefusedCalls(control._pending_calls, f"the transport daemon exited (code {code})")
 
     def _check_daemon(self) -> None:
+        if self._replacing is not None and not self._replacing.done():
+            raise SwarmError("the transport daemon is starting again with new relays: try again in a few seconds")
         if self._daemon_exit is None or self._daemon_exit.done() or self._dht is None:
             raise SwarmError("the transport daemon is not running: this node is offline; restart it")
 
@@ -477,6 +482,8 @@ class Node:
         except (ValueError, TypeError, UnicodeError) as e:
             raise ConnectionLost(f"cannot open {protocol} to {str(peer)[:60]!r}: not a peer id ({e})") from None
         try:
+            if self._p2p is None:
+                raise ConnectionError("this node's transport daemon is starting again")
             _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, protocol)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, _hm().P2PDaemonError,
                 _hm().P2PHandlerError) as e:

@@ -68,8 +68,6 @@ def test_a_nat_peer_whose_only_relay_died_takes_another_and_serves_a_new_client(
     it is pub1 [0:3): pub1 is its only relay. pub2 [0:3) starts near it later; pub1 is killed. Within 30 s the
     NAT'd peer holds a slot on pub2 (its daemon started again with it), and a new NAT'd client in eu, which
     reaches it only through a relay, generates transformers' greedy tokens through it."""
-    import time
-
     import torch
 
     from box_links import relays
@@ -99,13 +97,11 @@ def test_a_nat_peer_whose_only_relay_died_takes_another_and_serves_a_new_client(
             pub2 = sw.peer("pub2", box.public("pub2", region="eu"), "0:3", [boot.addr])
             sw.wait_serving([pub2], 90)
             sw.kill(pub1)
-            killed = time.monotonic()
             wait_until(lambda: slots(nat) == [pub2.peer_id], 30, "nat to hold a slot on pub2",
                        interval=1, diagnostics=nat.tail)
-            took = time.monotonic() - killed
-            assert took <= 30, took
-            assert "daemon started again with relays" in nat.text(), nat.tail()
-            run = sw.client("cli", box.home("cli", region="eu"), [boot.addr, pub2.addr], prompt, new)
+            sw.wait_log(nat, "daemon started again with relays", 30)  # logged once its DHT node is back
+            # a client that knows only the bootstrap finds the NAT'd peer's new relay address
+            run = sw.client("cli", box.home("cli", region="eu"), [boot.addr], prompt, new)
             done = run.expect("done", 120)
             assert done["event"] == "done", (done, run.proc.tail())
             assert done["tokens"] == expected

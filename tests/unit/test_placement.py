@@ -272,8 +272,8 @@ def join_in_regions(order: list[str], memory: int, num_blocks: int) -> list[tupl
                 swarm[i] = (where, Server(me.peer, to.span, 1.0 / len(to.span), max_blocks=memory))
                 moved = True
         if not moved:
-            break
-    return swarm
+            return swarm
+    raise AssertionError(f"still moving after 10 rounds: {swarm}")
 
 
 def covered(swarm: list[tuple[str, Server]], region: str, num_blocks: int) -> bool:
@@ -317,3 +317,31 @@ def test_a_peer_that_completes_its_region_stays_there_for_the_bottleneck():
     assert decide(half[1:] + eu, "e", 1.0, 15, 30, Span(0, 15), near={"b"}).span == Span(15, 30)
     three = decide(half[1:] + eu, "e", 1.0, 15, 30, Span(0, 15), near={"a", "b"})  # a share of 10 blocks in 3
     assert three.span == Span(15, 25) and three.local == 5
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_peers_in_regions_settle_whatever_their_speeds_and_memory(seed):
+    # near is mutual (a fixed cut on round trips): peers of unequal speed and memory, in 2 or 3 regions,
+    # joining in a random order, stop moving within a few rounds
+    import random
+
+    rng = random.Random(seed)
+    blocks = rng.choice([8, 12, 30])
+    peers = [(f"p{i}", rng.choice("abc"[:rng.choice([2, 3])]), rng.choice([10.0, 20.0, 40.0]),
+              rng.randint(max(1, blocks // 4), blocks)) for i in range(rng.randint(3, 8))]
+    swarm: dict[str, Server] = {}
+    for name, where, speed, memory in peers:
+        near = {p for p, w, _, _ in peers if w == where and p in swarm}
+        span = plan(list(swarm.values()), name, speed, memory, blocks, near).span
+        swarm[name] = Server(name, span, speed / len(span), max_blocks=memory)
+    for _ in range(12):
+        moved = False
+        for name, where, speed, memory in peers:
+            near = {p for p, w, _, _ in peers if w == where and p != name}
+            to = decide(list(swarm.values()), name, speed, memory, blocks, swarm[name].span, near=near)
+            if to is not None:
+                swarm[name] = Server(name, to.span, speed / len(to.span), max_blocks=memory)
+                moved = True
+        if not moved:
+            return
+    raise AssertionError(f"still moving after 12 rounds: {peers} {swarm}")
