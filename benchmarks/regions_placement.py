@@ -20,6 +20,7 @@ transformers' in every run. Needs root (network namespaces), `ip`, `nft` and `tc
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import sys
@@ -34,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from box_links import End, SlotWatch  # noqa: E402
 from box_swarm import note_lines, wait_until  # noqa: E402
 from home_routers import machine_line  # noqa: E402
-from regions import REGIONS, START_S, REACH_S, Distances, log, one_run  # noqa: E402
+from regions import REGIONS, RUN_S, START_S, REACH_S, Distances, log, one_run  # noqa: E402
 
 PEER_OPTIONS = ("--cache-tokens", "4096", "--announce-interval", "3", "--record-ttl", "20", "--num-blocks", "15")
 ORDER = (("pub-eu", "eu", True), ("pub-us", "us", True), ("nat-eu", "eu", False), ("nat-us", "us", False))
@@ -89,10 +90,32 @@ def one_placement(args, bench, want: list[int], root: Path, repo: Path, k: int) 
                     row = rows[-1]
                     log(f"placement {k + 1}, run {i + 1}, client in {r}: route {' '.join(row['route'])}, "
                         f"{row['ms']:.1f} ms per token (best floor {row['best']:.1f})")
+            light = [light_run(args, bench, want, sw, box, boot, ids, r, k) for r in REGIONS] if args.light else []
         except BaseException:
             log("failed; the processes' last lines:\n" + sw.diagnostics())
             raise
-    return {"chosen": chosen, "whole": whole, "rows": rows}
+    return {"chosen": chosen, "whole": whole, "rows": rows, "light": light}
+
+
+def light_run(args, bench, want, sw, box, boot, ids: dict[str, str], region: str, k: int) -> dict:
+    """A light client (py-libp2p, `--transport libp2p`) in a NAT'd home of `region`: it dials peers directly and
+    so routes around the NAT'd ones. Its route and its time per token after the first."""
+    name = f"light-{region}-{k}"
+    prompt = bench.prompt[0].tolist()
+    run = sw.client(name, box.home(name, region=region), [boot.addr], prompt, args.tokens, pause_after=1,
+                    transport="libp2p")
+    first = run.expect("paused", RUN_S)
+    if first["event"] != "paused":
+        log(f"{name}: {first.get('type')}: {first.get('message')}")
+        return {"region": region, "error": f"{first.get('type')}: {first.get('message')}"}
+    run.go()
+    done = run.expect("done", RUN_S)
+    if done["event"] != "done" or done["tokens"][0][len(prompt):] != want:
+        raise SystemExit(f"{name}: {done}")
+    route = [ids.get(p, p) for p, _ in done["route"]]
+    out = {"region": region, "route": route, "ms": (done["at"] - first["at"]) / (args.tokens - 1) * 1e3}
+    log(f"{name}: route {' '.join(route)}, {out['ms']:.1f} ms per token")
+    return out
 
 
 def covers(spans: list[str], num_blocks: int = 30) -> bool:
@@ -107,6 +130,25 @@ def chain(spans: list[str]) -> bool:
     """Whether the distinct spans tile the model in order (the route floor assumes one peer per span)."""
     bounds = [tuple(map(int, s.split(":"))) for s in spans]
     return bool(bounds) and bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def light_lines(placements: list[dict]) -> list[str]:
+    runs = [x for p in placements for x in p["light"]]
+    if not runs:
+        return []
+    full = {r: [x["ms"] for p in placements for x in p["rows"] if x["region"] == r] for r in REGIONS}
+    lines = ["", "The light client (py-libp2p) in a NAT'd home of each region, once per placement: it dials peers "
+             "directly, so it routes around the NAT'd peers (through the public peers, across the regions where "
+             "they are), and never bans them.", "",
+             "| light client in | runs | routes | ms per token (median) | full client there (median ms) |",
+             "|---|---:|---|---:|---:|"]
+    for r in REGIONS:
+        mine = [x for x in runs if x["region"] == r]
+        ok = [x for x in mine if "ms" in x]
+        routes = "; ".join(sorted({" → ".join(x["route"]) for x in ok} | {x["error"][:80] for x in mine if "error" in x}))
+        lines.append(f"| {r} | {len(mine)} | {routes} | {statistics.median(x['ms'] for x in ok) if ok else math.nan:.1f} | "
+                     f"{statistics.median(full[r]) if full[r] else math.nan:.1f} |")
+    return lines
 
 
 def section(args, label: str, placements: list[dict]) -> list[str]:
@@ -131,6 +173,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--within-ms", type=float, default=2.0, help="one-way delay within a region")
     parser.add_argument("--between-ms", type=float, default=30.0, help="one-way delay between the regions")
     parser.add_argument("--baseline-repo", type=Path, help="a checkout of an earlier version, measured first")
+    parser.add_argument("--no-light", dest="light", action="store_false",
+                        help="skip the light client (one per region and placement, this version only)")
     parser.add_argument("--baseline-label", default="placed by throughput alone", help="the baseline's row label")
     parser.add_argument("--root", type=Path, help="keep the processes' logs here (default: a temporary folder)")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
@@ -166,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                                   do_sample=False, pad_token_id=0)[0, bench.prompt.shape[1]:].tolist()
         variants = ([(args.baseline_label, args.baseline_repo)] if args.baseline_repo else []) + \
             [("placed with regions (this version)", REPO)]
-        table = []
+        table, light = [], []
         for label, repo in variants:
-            done = [one_placement(args, bench, want, root / f"{label[:8].replace(' ', '-')}-{k}", repo, k)
-                    for k in range(args.placements)]
+            light_too = args.light and repo == REPO
+            done = [one_placement(types.SimpleNamespace(**{**vars(args), "light": light_too}), bench, want,
+                                  root / f"{label[:8].replace(' ', '-')}-{k}", repo, k) for k in range(args.placements)]
             table += section(args, label, done)
+            light += light_lines(done) if light_too else []
         lines = ["### Regions: placement that keeps regions whole", "",
                  f"`python benchmarks/regions_placement.py --placements {args.placements} --runs {args.runs}"
                  f"{' --baseline-repo DIR' if args.baseline_repo else ''}` on {machine_line()}. {bench.about}; two "
@@ -182,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                  "(equal to local transformers' in every run). Per-token time with the distances against the best "
                  "route's floor (regions.py's routes part). Medians.", "",
                  "| peers | placements | both regions whole | spans chosen | routes in region | ms per token | "
-                 "best route's floor (ms) | vs best floor |", "|---|---:|---:|---|---:|---:|---:|---:|", *table]
+                 "best route's floor (ms) | vs best floor |", "|---|---:|---:|---|---:|---:|---:|---:|", *table, *light]
         print("\n".join(lines) + "\n")
         if not args.no_write:
             write_section("regions-placement", lines)

@@ -49,6 +49,8 @@ class Pause:
 
 async def connections(node, peers: list[str]) -> dict[str, list[str]]:
     """The remote addresses of this node's connections to `peers` (a relayed one ends in /p2p-circuit)."""
+    if not hasattr(node, "peer_addrs"):  # the light client's node: direct connections only
+        return {}
     return {peer: addrs for peer, addrs in (await node.peer_addrs()).items() if peer in peers}
 
 
@@ -110,7 +112,7 @@ def main() -> int:
                                  streamer=streamer)
             peers = [h.peer for h in session.route]
             conns = model.connection.run(connections(model.connection.node, peers), timeout=10)
-            emit("done", tokens=out.tolist(), route=route_of(session), connections=conns,
+            emit("done", tokens=out.tolist(), route=route_of(session), connections=conns, at=time.time(),
                  failovers=[dataclasses.asdict(f) for f in session.failovers])
     except Exception as e:  # boundary: every failure is reported to the test as an event
         probes = {}
