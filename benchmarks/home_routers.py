@@ -51,6 +51,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 
 from box_links import Daemons, End, SlotWatch, carrier, identify, kind  # noqa: E402
 from box_swarm import note_lines, wait_until  # noqa: E402
+from swarm.net.presence import PUNCH_AT_S  # noqa: E402
 
 PEER_OPTIONS = ("--cache-tokens", "4096", "--announce-interval", "5", "--record-ttl", "20")
 START_S = 300  # one peer's start on a busy 2-core machine
@@ -218,6 +219,9 @@ def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
                 note_lines([proc], LINES, lambda: slot() and "reachable through relay" in proc.extra, REACH_S)
             log(f"{name}: {reachability(proc)}, serving after {proc.extra['serving blocks']:.1f} s")
             peers.append(proc)
+        # each NAT'd peer closes its relayed connections once, PUNCH_AT_S after its start, so that they open again
+        # when its daemon can punch holes (swarm.net.presence.reopen): the clients come after that
+        time.sleep(max(0.0, PUNCH_AT_S + 5 - (time.monotonic() - max(p.started for p in peers))))
         clients = [Worker(sw, name, box.home(name, **region(name)), model, model_id, [boot.addr])
                    for name in ("cli1", "cli2")]
         for w in clients:
@@ -225,19 +229,26 @@ def matrix(args, model: Path, model_id: str, root: Path) -> list[str]:
         nodes = [End("bootstrap", boot.peer_id, False, boot.popen.pid)]
         nodes += [End(p.name, p.peer_id, not p.host.public, p.popen.pid) for p in peers]
         nodes += [End(w.proc.name, asyncio.run(identify(w.proc.popen.pid)), True, w.proc.popen.pid) for w in clients]
-        results = asyncio.run(probe_all(nodes, args.open_timeout, args.punch_wait))
+        results = asyncio.run(probe_all(nodes, args.open_timeout, args.punch_wait, args.fresh_links))
         for w in clients:
             w.quit()
     return matrix_report(args, nodes, peers, results, where)
 
 
-async def probe_all(nodes: list[End], timeout: float, punch_wait: float) -> dict:
-    """For every ordered pair: the probe's time and error, and the link right after it and `punch_wait` later."""
+async def probe_all(nodes: list[End], timeout: float, punch_wait: float, fresh: bool = False) -> dict:
+    """For every ordered pair: the probe's time and error, and the link right after it and `punch_wait` later.
+    `fresh`: a connection between two NAT'd ends is closed before its probe (a relayed connection is punched
+    only when it opens, and the swarm's own traffic opened most before the daemons could punch)."""
+    from swarm.net.dht_glue import hm
+
     out = {}
     async with Daemons(nodes) as daemons:
         for a in nodes:
             for b in nodes:
                 if a is not b:
+                    if fresh and a.nat and b.nat:
+                        with contextlib.suppress(Exception):  # not connected: nothing to close
+                            await a.p2p._client.disconnect(hm().PeerID.from_base58(b.peer_id))
                     ms, error = await daemons.probe(a, b, timeout)
                     addrs = await daemons.addrs(a, b)
                     out[a, b] = {"ms": ms, "error": error, "over": carrier(addrs),
@@ -484,6 +495,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--extra-public", type=int, default=0,
                         help="matrix: this many more public peers (a NAT'd node punches holes only once 4 hosts saw "
                              "its outside address)")
+    parser.add_argument("--fresh-links", action="store_true",
+                        help="matrix: close each NAT'd pair's connection before its probe (punched only when it opens)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens of a decode run")
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="the prefill run's prompt")

@@ -9,6 +9,7 @@ node that lost every relay chooses new ones (`relays.replace`, which starts its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ logger = logging.getLogger("swarm.net.transport")
 WATCH_GRACE_S = 10.0  # a private node without a relay after this long is warned about
 REPLACE_AFTER_S = 5.0  # a private node that lost every relay this long ago chooses new ones (`relays.replace`)
 REPLACE_EVERY_S = 60.0  # and not again before this long
+PUNCH_AT_S = 30.0  # a private node closes its relayed connections once, this long after it started (`reopen`)
 KNOWN_PEERS_AT_S = (5.0, 20.0, 60.0)  # when a node first asks the peers it is connected to where they are
 KNOWN_PEERS_INTERVAL_S = 120.0  # and how often after that
 
@@ -33,6 +35,7 @@ async def watch(node) -> None:
     addresses change (or when it had nobody to ask), and keep the file of peers met. Runs until cancelled."""
     started, warned, last_known, last_direct = time.monotonic(), False, -math.inf, None
     lost_at, replaced_at = math.inf, -math.inf  # when the last relay was lost; when relays were last replaced
+    reopened = False
     first_asks = list(KNOWN_PEERS_AT_S)
     while True:
         now = time.monotonic()
@@ -51,6 +54,9 @@ async def watch(node) -> None:
                                    ", ".join(describe_peer(r) for r in node.relays))
                     lost_at = now
                 node.relays = relays
+            if node.reach == PRIVATE and not reopened and now - started >= PUNCH_AT_S:
+                reopened = True
+                await reopen(node)
             if relays:
                 lost_at = math.inf
             elif node.reach == PRIVATE and now - lost_at >= REPLACE_AFTER_S and now - replaced_at >= REPLACE_EVERY_S:
@@ -71,6 +77,25 @@ async def watch(node) -> None:
             logger.log(logging.WARNING if lost_at < math.inf else logging.DEBUG, "reachability watch: %r", e)
         await asyncio.sleep(2.0 if now - started < WATCH_GRACE_S * 3 or lost_at < math.inf else
                             5.0 if node.reach == PRIVATE else 15.0)
+
+
+async def reopen(node) -> None:
+    """Close this NAT'd node's relayed connections once its daemon can punch holes: the daemon punches a direct
+    connection only when a relayed one opens, and only once 4 hosts saw its outside address (`relays.meet`),
+    so the connections opened while it started (its links to the next peers, the DHT, the first clients) would
+    stay relayed for their whole life. The next stream to each peer opens a new relayed connection, which the
+    routers may let go direct; a session on a closed one fails over exactly (as at any relay's loss)."""
+    from swarm.net.dht_glue import hm
+
+    closed = 0
+    for info in await node._p2p.list_peers():
+        addrs = [str(a) for a in info.addrs]
+        if addrs and all("/p2p-circuit" in a for a in addrs):
+            with contextlib.suppress(Exception):  # gone already: nothing to close
+                await node._p2p._client.disconnect(hm().PeerID.from_base58(str(info.peer_id)))
+                closed += 1
+    if closed:
+        logger.info("closed %d relayed connections, to be opened again: they may go direct (hole punching)", closed)
 
 
 def _warn(node, relays: list[str], direct: list[str]) -> bool:

@@ -18,6 +18,11 @@ knows now and, when that finds one it did not hold, starts its daemon again with
 and stream handlers are set up again on the new daemon, and the sessions it served (dead with their relays
 anyway) fail over. With two or more near relays a node loses none of this to one relay's death.
 
+**Hole punching.** The daemon punches a direct connection between two NAT'd nodes (DCUtR, on with AutoNAT)
+only once its outside address was seen by 4 hosts at distinct addresses, and only when a relayed connection
+opens. A NAT'd node therefore connects again, once its daemon holds its relays, to the `MEET` nearest public
+nodes that answered as candidates (`meet`).
+
 **Their limits.** 
 hivemind's daemon runs two relay services on the same protocol: ours, with the limits it is given, created
 once the node is known to be public, and a built-in one with the circuit relay v2 defaults, whose relayed
@@ -56,6 +61,7 @@ logger = logging.getLogger("swarm.net.transport")
 
 RELAYS = 3  # slots a NAT'd node reserves at most
 MAX_CANDIDATES = 12  # public nodes timed when choosing
+MEET = 6  # of those, the nearest the node connects to again once its daemon holds its relays (`meet`)
 RELAY_TRIES = 8  # daemon starts a public node tries for its own relay
 
 CHECK_BYTES = 192 * 1024  # more than the built-in limit (128 KiB), far below ours
@@ -207,6 +213,18 @@ async def _timed_addrs(node, peer: str) -> tuple[dict | None, float]:
         return None, float("inf")
 
 
+async def meet(node) -> None:
+    """Connect the (restarted) daemon to the nearest public nodes that answered as relay candidates. Its daemon
+    offers to punch holes only once 4 hosts at distinct addresses saw its outside address (go-libp2p's
+    activation threshold, which no flag changes), and a daemon started with its relays alone knows its initial
+    peers and those: often fewer than 4. Best effort, each within `reach.ASK_TIMEOUT_S`."""
+    async def one(peer: str, addr: str) -> None:
+        with contextlib.suppress(Exception):  # one that is gone is simply not met
+            await _dial(node, peer, [addr])
+
+    await asyncio.gather(*(one(p, a) for p, a in getattr(node, "public_met", {}).items()))
+
+
 async def _dial(node, peer: str, addrs: list[str]) -> None:
     from swarm.net.dht_glue import hm
 
@@ -219,6 +237,7 @@ async def choose(node, fallback: list[str]) -> list[str]:
     """Full multiaddrs of up to `RELAYS` relays for `node` (see the module docstring); `fallback` if none
     answered."""
     timed = await _timed_candidates(node, fallback)
+    node.public_met = {peer: addr for _, peer, addr in sorted(timed)[:MEET]}
     if not timed:
         logger.info("no public peer answered as a relay candidate: asking the initial peers and those met before")
         return fallback

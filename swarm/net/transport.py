@@ -293,6 +293,7 @@ class Node:
             chosen = await relays.choose(self, given + met) if self.reach == reach.PRIVATE else given + met
             if self.reachability == "auto" or chosen != given + met:
                 await self._restart_daemon(*reach.daemon_settings(self.reach, relays=chosen, limits=self.relay))
+                await relays.meet(self)  # its outside address seen by enough hosts to punch holes
             if self.reach == reach.PUBLIC and self.relay is not None:
                 await relays.ensure_own(self, self._restart_daemon)
 
