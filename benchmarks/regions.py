@@ -443,6 +443,24 @@ def count_routes(rows: list[dict]) -> dict[str, int]:
     return out
 
 
+def demo_greedy(root: Path, tokens: int) -> tuple[types.SimpleNamespace, list[int]]:
+    """The demo model (`path`, `prompt`, `about`, `model_id`) and local transformers' `tokens` greedy tokens after
+    its prompt: the ground truth of every run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench_models import load
+    from swarm.weights.models import local_model_id
+
+    demo = load("demo", root)
+    bench = types.SimpleNamespace(path=demo.path, prompt=demo.prompt, about=demo.about, model_id=local_model_id(demo.path))
+    local = AutoModelForCausalLM.from_pretrained(bench.path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = local.generate(bench.prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                              pad_token_id=0)[0, bench.prompt.shape[1]:].tolist()
+    return bench, want
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", choices=("routes", "relays"), default=["routes", "relays"])
@@ -463,23 +481,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if reason := netbox.available():
         raise SystemExit(f"regions: {reason}")
-    from bench_models import load
     from report import write_section
-    from swarm.weights.models import local_model_id
 
     started = time.monotonic()
     root = args.root or Path(tempfile.mkdtemp(prefix="swarm-regions-"))
     try:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        demo = load("demo", root)
-        bench = types.SimpleNamespace(path=demo.path, prompt=demo.prompt, about=demo.about,
-                                      model_id=local_model_id(demo.path))
-        local = AutoModelForCausalLM.from_pretrained(bench.path, dtype=torch.float32).eval()
-        with torch.inference_mode():
-            want = local.generate(bench.prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                  do_sample=False, pad_token_id=0)[0, bench.prompt.shape[1]:].tolist()
+        bench, want = demo_greedy(root, args.tokens)
         sections = {}
         if "routes" in args.parts:
             sections["regions-routes"] = ["### Regions: routes that stay near", "", *run(args, bench, want, root)]

@@ -35,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from box_links import End, SlotWatch  # noqa: E402
 from box_swarm import note_lines, wait_until  # noqa: E402
 from home_routers import machine_line  # noqa: E402
-from regions import REGIONS, RUN_S, START_S, REACH_S, Distances, log, one_run  # noqa: E402
+from regions import REGIONS, RUN_S, START_S, REACH_S, Distances, demo_greedy, log, one_run  # noqa: E402
 
 PEER_OPTIONS = ("--cache-tokens", "4096", "--announce-interval", "3", "--record-ttl", "20", "--num-blocks", "15")
 ORDER = (("pub-eu", "eu", True), ("pub-us", "us", True), ("nat-eu", "eu", False), ("nat-us", "us", False))
@@ -191,23 +191,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if reason := netbox.available():
         raise SystemExit(f"regions_placement: {reason}")
-    from bench_models import load
     from report import write_section
-    from swarm.weights.models import local_model_id
 
     started = time.monotonic()
     root = args.root or Path(tempfile.mkdtemp(prefix="swarm-regions-placement-"))
     try:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        demo = load("demo", root)
-        bench = types.SimpleNamespace(path=demo.path, prompt=demo.prompt, about=demo.about,
-                                      model_id=local_model_id(demo.path))
-        local = AutoModelForCausalLM.from_pretrained(bench.path, dtype=torch.float32).eval()
-        with torch.inference_mode():
-            want = local.generate(bench.prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                  do_sample=False, pad_token_id=0)[0, bench.prompt.shape[1]:].tolist()
+        bench, want = demo_greedy(root, args.tokens)
         variants = ([(args.baseline_label, args.baseline_repo)] if args.baseline_repo else []) + \
             [("placed with regions (this version)", REPO)]
         table, light = [], []

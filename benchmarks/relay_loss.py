@@ -25,7 +25,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +33,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from box_links import relays  # noqa: E402
 from box_swarm import wait_until  # noqa: E402
 from home_routers import machine_line  # noqa: E402
+from regions import demo_greedy  # noqa: E402
 
 PEER_OPTIONS = ("--cache-tokens", "4096", "--announce-interval", "3", "--record-ttl", "20")
 START_S, RUN_S = 300, 300
@@ -153,22 +153,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if reason := netbox.available():
         raise SystemExit(f"relay_loss: {reason}")
-    from bench_models import load
     from report import write_section
-    from swarm.weights.models import local_model_id
 
     started = time.monotonic()
     root = args.root or Path(tempfile.mkdtemp(prefix="swarm-relay-loss-"))
     try:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        demo = load("demo", root)
-        bench = types.SimpleNamespace(path=demo.path, prompt=demo.prompt, model_id=local_model_id(demo.path))
-        local = AutoModelForCausalLM.from_pretrained(bench.path, dtype=torch.float32).eval()
-        with torch.inference_mode():
-            want = local.generate(bench.prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                  do_sample=False, pad_token_id=0)[0, bench.prompt.shape[1]:].tolist()
+        bench, want = demo_greedy(root, args.tokens)
         rows = []
         for i in range(args.runs):
             rows.append(one_run(args, bench, want, root / f"run{i}"))
