@@ -24,7 +24,7 @@ logger = logging.getLogger("swarm.net.transport")
 WATCH_GRACE_S = 10.0  # a private node without a relay after this long is warned about
 REPLACE_AFTER_S = 5.0  # a private node that lost every relay this long ago chooses new ones (`relays.replace`)
 REPLACE_EVERY_S = 60.0  # and not again before this long
-PUNCH_AT_S = 30.0  # a private node closes its relayed connections once, this long after it started (`reopen`)
+PUNCH_AT_S = 10.0  # a private node closes its relayed connections once, this long after it started (`reopen`)
 KNOWN_PEERS_AT_S = (5.0, 20.0, 60.0)  # when a node first asks the peers it is connected to where they are
 KNOWN_PEERS_INTERVAL_S = 120.0  # and how often after that
 
