@@ -297,6 +297,7 @@ async def replace(node) -> bool:
     if not timed:
         logger.warning("no relay left, and no other public peer answered as one: trying again in a minute")
         return False
+    node.public_met = {peer: addr for _, peer, addr in sorted(timed)[:MEET]}
     node._replacing = asyncio.ensure_future(_restart(node, _nearest(timed)))
     return await asyncio.shield(node._replacing)
 
@@ -319,6 +320,7 @@ async def _restart(node, chosen: list[str]) -> bool:
             logger.warning("starting the transport daemon again (%s) failed: %s", ", ".join(initial) or "alone", e)
     for protocol, handler in node._handlers.items():
         await node._p2p.add_binary_stream_handler(protocol, handler)
+    await meet(node)  # the new daemon's outside address seen by enough hosts again
     try:
         await node._make_dht()
     except SwarmError as e:  # nobody it joined through answered: a DHT node of its own, found by the others
