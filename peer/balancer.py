@@ -12,8 +12,8 @@
   near (its region, `swarm.net.distance.region`). Each is timed when first seen and again `REMEASURE_S` later;
   its round trip is the least of all its info calls (the first may open the connection, a busy peer answers
   late: only the least is the distance). One that does not answer keeps what was measured before (none: not
-  near) and is tried again after `RETRY_S`. Until every peer was tried the region is unknown (None), as on one
-  machine, where nothing is timed.
+  near) and is tried again after `RETRY_S`; timings due again run in the background. Until every peer was
+  tried the region is unknown (None), as on one machine, where nothing is timed.
 """
 
 from __future__ import annotations
@@ -210,32 +210,46 @@ class Distances:
         self.node, self.timeout = node, timeout
         self.rtt_ms: dict[str, float] = {}  # the least round trip ever measured to each peer
         self.timed_at: dict[str, float] = {}  # peer -> when it was last timed, or tried (monotonic)
+        self.retiming: asyncio.Task | None = None  # timing the peers due again, in the background
 
     async def near(self, served: list[view.Server]) -> set[str] | None:
         """The online peers of `served` near this one (empty: none is); None on one machine, or while some are
-        not tried yet (the region is not known)."""
+        not tried yet (the region is not known). Peers never tried are timed now (a newcomer may change the
+        region); those due again in the background, so a decision (a hole to fill) never waits on them."""
         if self.node.local:
             return None
         now = time.monotonic()
         peers = list(dict.fromkeys(s.peer for s in served if s.peer != self.node.peer_id and s.state == "online"))
-        due = [p for p in peers if now - self.timed_at.get(p, -math.inf) >=
-               (REMEASURE_S if p in self.rtt_ms else RETRY_S)][:MAX_TIMED]
+        for gone in [p for p in self.timed_at if p not in peers]:  # bounded by the swarm's size
+            self.timed_at.pop(gone)
+            self.rtt_ms.pop(gone, None)
+        await self._time_all([p for p in peers if p not in self.timed_at][:MAX_TIMED])
+        due = [p for p in peers if p in self.timed_at and
+               now - self.timed_at[p] >= (REMEASURE_S if p in self.rtt_ms else RETRY_S)][:MAX_TIMED]
+        if due and (self.retiming is None or self.retiming.done()):
+            self.retiming = asyncio.ensure_future(self._time_all(due))
+        if any(p not in self.timed_at for p in peers):
+            return None
+        return distance.region({p: ms for p, ms in self.rtt_ms.items() if p in peers})
+
+    def close(self) -> None:
+        if self.retiming is not None:
+            self.retiming.cancel()
+
+    async def _time_all(self, peers: list[str]) -> None:
+        """Time `peers`, `MAX_AT_ONCE` at a time; a failure keeps what was measured before (tried again after
+        `RETRY_S`)."""
         gate = asyncio.Semaphore(MAX_AT_ONCE)
 
         async def timed(peer: str) -> float | None:
             async with gate:
                 return await self._time(peer)
 
-        for peer, ms in zip(due, await asyncio.gather(*(timed(p) for p in due))):
-            self.timed_at[peer] = now  # a failure keeps what was measured before; tried again after RETRY_S
+        now = time.monotonic()
+        for peer, ms in zip(peers, await asyncio.gather(*(timed(p) for p in peers))):
+            self.timed_at[peer] = now
             if ms is not None:
                 self.rtt_ms[peer] = min(ms, self.rtt_ms.get(peer, math.inf))
-        for gone in [p for p in self.timed_at if p not in peers]:  # bounded by the swarm's size
-            self.timed_at.pop(gone)
-            self.rtt_ms.pop(gone, None)
-        if any(p not in self.timed_at for p in peers):
-            return None
-        return distance.region({p: ms for p, ms in self.rtt_ms.items() if p in peers})
 
     async def _time(self, peer: str) -> float | None:
         first = await round_trip_ms(self.node, peer, self.timeout * 5)  # it may open the connection

@@ -279,9 +279,10 @@ def whole_shares(everyone: list[tuple[float, int]], num_blocks: int) -> list[int
 def region(others: list[Server], near: set[str] | None, memory_blocks: int, num_blocks: int) -> list[float] | None:
     """The capacities of the `near` peers' servers alone, when they and this peer (room for `memory_blocks`)
     have room for the whole model; None otherwise, or with no distances known (`near` None)."""
-    if near is None:
-        return None
-    mine = [s for s in others if s.peer in near]
+    return None if near is None else _region_caps([s for s in others if s.peer in near], memory_blocks, num_blocks)
+
+
+def _region_caps(mine: list[Server], memory_blocks: int, num_blocks: int) -> list[float] | None:
     room = memory_blocks + sum(m or 0 for _, m in peers(mine).values())
     return capacities(num_blocks, mine) if room >= num_blocks else None
 
@@ -291,8 +292,10 @@ def _region_terms(others: list[Server], near: set[str] | None, speed: float, mem
     """(the stage share, the region's capacities or None). With distances known the share is taken among the
     region's peers (its clients' pipelines are made of them): the first peer of a region takes what it would
     alone, so that the next ones can complete the chain."""
-    mine = others if near is None else [s for s in others if s.peer in near]
-    return stage_blocks(speed, memory_blocks, peers(mine), num_blocks), region(others, near, memory_blocks, num_blocks)
+    if near is None:
+        return stage_blocks(speed, memory_blocks, peers(others), num_blocks), None
+    mine = [s for s in others if s.peer in near]
+    return stage_blocks(speed, memory_blocks, peers(mine), num_blocks), _region_caps(mine, memory_blocks, num_blocks)
 
 
 def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int,

@@ -304,8 +304,7 @@ class Peer:
             await self.announce("online")
             maddrs = tuple(await self.node.maddrs())
             logger.info("peer %s serving blocks %s of %s (%s, %.1f tokens/s decode) at %s", self.name, span,
-                        self.model_id, self.precision.describe(), servicer.served.throughput,
-                        maddrs[0] if maddrs else "?")
+                        self.model_id, self.precision.describe(), servicer.served.throughput, maddrs[0] if maddrs else "?")
             if on_ready is not None:
                 on_ready(PeerReady(self.node.peer_id, self.model_id, span, maddrs))
             try:
@@ -314,6 +313,7 @@ class Peer:
                 logger.info("peer %s leaving: announcing blocks %s offline", self.name, self.span)
                 with contextlib.suppress(Exception):  # leaving anyway: records expire if this fails
                     await asyncio.wait_for(asyncio.shield(self.announce("offline")), OFFLINE_ANNOUNCE_S)
+                self.distances.close()
                 if servicer.pusher is not None:
                     await servicer.pusher.close()
 

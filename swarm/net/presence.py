@@ -2,8 +2,9 @@
 when it has none or announces only private addresses, and the file of peers it met (`known_peers`).
 
 `watch(node)` runs as one task of a `transport.Node` that is not on loopback; it reads the daemon's addresses
-and asks connected peers where they can be dialled, and changes how the node works in one case only: a NAT'd
-node that lost every relay chooses new ones (`relays.replace`, which starts its daemon again).
+and asks connected peers where they can be dialled, and changes how a NAT'd node works in two cases: once,
+`PUNCH_AT_S` after its start, it closes its relayed connections so that they open again punchable (`reopen`);
+and when it lost every relay, it chooses new ones (`relays.replace`, which starts its daemon again).
 """
 
 from __future__ import annotations

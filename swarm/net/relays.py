@@ -222,7 +222,7 @@ async def meet(node) -> None:
         with contextlib.suppress(Exception):  # one that is gone is simply not met
             await _dial(node, peer, [addr])
 
-    await asyncio.gather(*(one(p, a) for p, a in getattr(node, "public_met", {}).items()))
+    await asyncio.gather(*(one(p, a) for p, a in node.public_met.items()))
 
 
 async def _dial(node, peer: str, addrs: list[str]) -> None:

@@ -143,6 +143,7 @@ class Node:
         self._p2p = self._dht = self._reaper = self._watch = None
         self._handlers: dict = {}  # protocol -> the daemon's stream handler (registered again after a restart)
         self._replacing: asyncio.Future | None = None  # a restart with new relays (`relays.replace`), if one runs
+        self.public_met: dict[str, str] = {}  # public relay candidates that answered: peer -> address (`relays.meet`)
         self._port = port
         self._joined_through: list[str] = list(initial_peers)
         self._daemon_exit: asyncio.Task | None = None  # done once the daemon process has exited

@@ -20,7 +20,8 @@ from netbox import Box
 pytestmark = pytest.mark.integration
 
 if netbox.available() is not None and os.geteuid() != 0:  # CI runs as root; missing tools there are a failure
-    pytest.skip(netbox.available(), allow_module_level=True)
+    pytest.skip(f"not root: {netbox.available()} (network namespaces need root; CI runs as root, where a missing "
+                "tool fails the test instead of skipping it)", allow_module_level=True)
 
 MODEL_ID = "tiny-llama"
 PEER_OPTIONS = ("--cache-tokens", "1024", "--announce-interval", "2", "--record-ttl", "8", "--num-blocks", "3")
