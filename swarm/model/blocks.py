@@ -24,13 +24,15 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import (DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionLayer, get_layer_types_and_kwargs)
+from transformers.cache_utils import (DummyLayer, DynamicIndexedLayer, DynamicLayer,
+                                      LinearAttentionAndFullAttentionLayer, LinearAttentionLayer,
+                                      get_layer_types_and_kwargs)
 
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.model.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest, SwarmError
-from swarm.model.cache import ATTENTION, HYBRID, RECURRENT, AttentionLayer, LengthLayer, SpanCache, kind_cache, span_kv
+from swarm.model.cache import (ATTENTION, HYBRID, INDEXED, RECURRENT, AttentionLayer, LengthLayer, SpanCache,
+                               kind_cache, span_kv)
 from swarm.model.ragged import (NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, batch_dependent,
                                 configs_of, ragged)
 from swarm.model.kv import KVLayout, Pool, Rows
@@ -41,6 +43,16 @@ logger = logging.getLogger(__name__)
 
 # Tokens the blocks' own cache pool holds when nobody sized it (`size_pool`): blocks are memory only once written.
 DEFAULT_POOL_TOKENS = 1 << 18
+
+def check_indexer_start(config, run: Span) -> None:
+    """`BadRequest` if `run` starts at a block that reuses the previous block's indexer choice (its
+    `indexer_types` entry is "shared"): the family's loop hands it over from layer to layer, not across spans."""
+    kinds = getattr(config, "indexer_types", None)
+    if run.start and isinstance(kinds, (list, tuple)) and run.start < len(kinds) and kinds[run.start] == "shared":
+        full = [i for i, kind in enumerate(kinds) if kind != "shared"]
+        raise BadRequest(f"blocks {run} start at block {run.start}, which reuses the tokens block {run.start - 1}'s "
+                         f"indexer chose: a span of this model starts at one of the blocks {full}")
+
 
 class SpanBlocks(torch.nn.Module):
     """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
@@ -64,6 +76,7 @@ class SpanBlocks(torch.nn.Module):
                   if reuse is not None and reuse.span.start <= i < reuse.span.end}
         self.model_type = ckpt.model_type
         self.num_blocks = ckpt.num_blocks
+        check_indexer_start(ckpt.text_config, span)
         self.layer_types = ckpt.layout.layer_types[span.start:span.end]
         self.embed_dim = ckpt.layout.embed_dim
 
@@ -115,8 +128,9 @@ class SpanBlocks(torch.nn.Module):
 
     @property
     def kv_layout(self) -> KVLayout:
-        """What one token of a session's cache holds: each attention block's keys and values, as the family's own
-        layers produce them (probed once: one token through the span with transformers' own cache layers)."""
+        """What one token of a session's cache holds: each attention block's keys and values (and an indexed block's
+        indexer keys), as the family's own layers produce them (probed once: one token through the span with
+        transformers' own cache layers)."""
         if self._layout is None:
             self._layout = self._probe_layout()
         return self._layout
@@ -126,21 +140,30 @@ class SpanBlocks(torch.nn.Module):
         layers = {}
         for i in self.span:
             cache = kind_cache(self.cache_kinds[i])
-            layers[i] = DynamicLayer() if cache == ATTENTION else DummyLayer() if cache not in (RECURRENT, HYBRID) \
-                else (LinearAttentionLayer if cache == RECURRENT else LinearAttentionAndFullAttentionLayer)(
+            if cache in (RECURRENT, HYBRID):
+                layers[i] = (LinearAttentionLayer if cache == RECURRENT else LinearAttentionAndFullAttentionLayer)(
                     number_of_states=self.state_counts[i])
+            else:
+                layers[i] = {ATTENTION: DynamicLayer, INDEXED: DynamicIndexedLayer}.get(cache, DummyLayer)()
         kv = span_kv(self.span, self.num_blocks, layers, self.cache_kinds)
         hidden = torch.randn(1, 1, self.hidden_size, generator=torch.Generator().manual_seed(0)).to(self.device,
                                                                                                     self.dtype)
         self._run(self.span, hidden, kv, position_ids_for(1, 1, 0, None, self.device), None)
         stored = {i: layer for i, layer in layers.items() if isinstance(layer, DynamicLayer) and layer.is_initialized
                   and layer.keys is not None and layer.keys.numel()}
+        indexers = {i: layer.indexer_keys for i, layer in layers.items() if isinstance(layer, DynamicIndexedLayer)
+                    and layer.is_indexer_initialized and layer.indexer_keys.numel()}
+        if set(indexers) - set(stored):
+            raise BadRequest(f"blocks {self.span}: layers {sorted(set(indexers) - set(stored))} keep indexer keys "
+                             "and no keys and values")
         dtypes = {t.dtype for layer in stored.values() for t in (layer.keys, layer.values)}
+        dtypes |= {keys.dtype for keys in indexers.values()}
         if len(dtypes) > 1:
             raise BadRequest(f"blocks {self.span} keep keys and values in several dtypes {sorted(map(str, dtypes))}")
         shapes = {i: (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3])
                   for i, layer in stored.items()}
-        return KVLayout.of(shapes, dtypes.pop() if dtypes else self.dtype, self.device)
+        return KVLayout.of(shapes, dtypes.pop() if dtypes else self.dtype, self.device,
+                           {i: keys.shape[-1] for i, keys in indexers.items()})
 
     def size_pool(self, tokens: int) -> None:
         """Hold `tokens` tokens in the blocks' own cache pool (before its first session)."""
@@ -292,6 +315,7 @@ class SpanBlocks(torch.nn.Module):
     def _check_within(self, run: Span) -> None:
         if not (self.span.start <= run.start and run.end <= self.span.end):
             raise BadRequest(f"blocks {run} are not within the served blocks {self.span}")
+        check_indexer_start(self.config, run)
 
     def _run(self, run: Span, hidden: torch.Tensor, kv: DynamicCache | None, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None) -> torch.Tensor:

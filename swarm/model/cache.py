@@ -7,7 +7,10 @@ Invariants:
   to any earlier position; sliding-window layers get their window from the mask instead.
 - Attention keys and values live in the session's `swarm.model.kv.Rows`, written in place: a layer's `update`
   writes the step's tokens after its length and returns views of its whole history. Rolling back moves
-  lengths; a fork shares the source's full blocks.
+  lengths; a fork shares the source's full blocks. An indexed attention layer's indexer keys are one more part
+  of the same rows (`IndexedLayer`): kept, rolled back and forked with its keys and values.
+- The positions a family keeps on a cache entry for its indexers (`indexer_position_ids`) are read up to that
+  entry's length, so a rollback forgets the later ones too; a fork copies them.
 - The cache length always equals the session's position. A step runs between `begin` (room made for its
   tokens) and `advance` (its tokens counted) or `abort` (every layer back to the length before it).
 - Recurrent layers keep their state plus copies of it at the ends of the last `SNAPSHOTS` steps: a
@@ -29,12 +32,13 @@ from swarm.errors import BadRequest
 from swarm.model.kv import Part, Pool, Rows
 from swarm.span import Span
 
-ATTENTION, RECURRENT, HYBRID, DUMMY = "attention", "recurrent", "hybrid", "dummy"
+ATTENTION, INDEXED, RECURRENT, HYBRID, DUMMY = "attention", "indexed", "recurrent", "hybrid", "dummy"
 # What each layer kind keeps. Attention kinds keep every past key and value (windows and chunks come from the
 # masks), so any earlier position can be returned to. Recurrent kinds keep a state that cannot be cropped:
 # rollback restores a copy taken at the end of an earlier step. Hybrid kinds keep both.
 KIND_CACHES = {
     "full_attention": ATTENTION, "sliding_attention": ATTENTION, "chunked_attention": ATTENTION,
+    "indexed_attention": INDEXED,  # keys and values, plus the keys of an indexer choosing which ones each query sees
     "linear_attention": RECURRENT, "conv": RECURRENT, "hybrid": HYBRID, "hybrid_sliding": HYBRID,
     "dummy": DUMMY,  # layers with no cache of their own (no attention, or one shared with another layer)
 }
@@ -61,6 +65,19 @@ class LengthLayer(CacheLayerMixin):
         super().__init__()
         self.length = length
         self.is_initialized = True
+        self._positions: torch.Tensor | None = None  # [position dims, rows, tokens]: `indexer_position_ids`
+
+    @property
+    def indexer_position_ids(self) -> torch.Tensor | None:
+        """Positions of the tokens cached so far, as a family's indexers keep them (up to this entry's length:
+        those of tokens rolled back are forgotten)."""
+        if self._positions is None or not self.length:
+            return None
+        return self._positions[..., :self.length]
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, value: torch.Tensor | None) -> None:
+        self._positions = value
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
@@ -82,6 +99,7 @@ class LengthLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.length = 0
+        self._positions = None
 
 
 class AttentionLayer(LengthLayer):
@@ -116,6 +134,49 @@ class AttentionLayer(LengthLayer):
     def values(self, value) -> None:
         if value is not None:
             raise AttributeError("an attention layer's values are written through update()")
+
+
+class IndexedLayer(AttentionLayer):
+    """An indexed attention layer (dynamic sparse attention): keys and values as an `AttentionLayer`, and its
+    indexer's keys [rows, tokens, dim] as the `indexer` part (one head, no values) of the same rows. A family
+    updates the indexer's keys before or after its keys and values within a step: each is written after the
+    step's start (the layer's length before the step), each has a length of its own until the step is counted."""
+
+    def __init__(self, rows: Rows, part: Part, indexer: Part):
+        super().__init__(rows, part)
+        self.indexer = indexer
+        self.is_indexer_initialized = True
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:  # a step counted, aborted or rolled back: both parts end there
+        self._length = self.indexer_length = value
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start = self._length
+        self.rows.write(self.part, start, key_states, value_states)
+        self._length = start + key_states.shape[-2]
+        return self.rows.keys(self.part, self._length), self.rows.values(self.part, self._length)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Write the step's indexer keys [rows, n, dim] after the step's start; all of them so far, as transformers'
+        `DynamicIndexedLayer` returns its concatenation."""
+        start = self.indexer_length
+        self.rows.write(self.indexer, start, indexer_key_states.unsqueeze(1), None)
+        self.indexer_length = start + indexer_key_states.shape[1]
+        return self.indexer_keys
+
+    @property
+    def indexer_keys(self) -> torch.Tensor:
+        return self.rows.keys(self.indexer, self.indexer_length)[:, 0]
+
+    @indexer_keys.setter
+    def indexer_keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("an indexed layer's indexer keys are written through update_indexer()")
 
 
 class HybridLayer(LinearAttentionLayer, AttentionLayer):
@@ -168,13 +229,19 @@ class SpanCache:
 
     def _layer(self, i: int):
         cache = kind_cache(self.kinds[i])
-        part = None
-        if cache in (ATTENTION, HYBRID) and self.pool is not None:
+        part = indexer = None
+        if cache in (ATTENTION, INDEXED, HYBRID) and self.pool is not None:
             try:
                 part = self.pool.layout.part(i)
             except KeyError:  # the layer kept nothing when its shapes were probed: it reads another's
                 part = None
-        if cache == ATTENTION:
+            try:
+                indexer = self.pool.layout.part(i, "indexer")
+            except KeyError:  # its indexer ran on no keys of its own (or there is none)
+                indexer = None
+        if cache == INDEXED and part is not None and indexer is not None:
+            return IndexedLayer(self.rows, part, indexer)
+        if cache in (ATTENTION, INDEXED):
             return AttentionLayer(self.rows, part) if part is not None else LengthLayer()
         if cache == HYBRID:
             if part is None:  # a cache of no storage (what a checkpoint's probe hands the family): transformers' own
@@ -249,6 +316,9 @@ class SpanCache:
         rows = self.rows.fork(length, max_length, credits) if self.rows is not None else None
         new = SpanCache(self.span, self.batch_size, max_length, len(self.kinds), self.kinds, self.state_counts,
                         self.pool, rows)
+        for mine, theirs in zip(new.kv.layers + [new.clock], self.kv.layers + [self.clock]):
+            if isinstance(theirs, LengthLayer) and theirs._positions is not None and length:
+                mine.indexer_position_ids = theirs._positions[..., :length].clone()
         if length:  # at 0 the new cache's states are fresh, as a rollback to 0 resets them
             new.clock.length = length
             for layer in new.attention:
@@ -270,6 +340,8 @@ class SpanCache:
                    for t in states.values()]
         tensors += [t for snap in self.snapshots.values() for state in snap
                     for states in (state["conv_states"], state["recurrent_states"]) for t in states.values()]
+        tensors += list({id(p): p for layer in self.kv.layers + [self.clock] if isinstance(layer, LengthLayer)
+                         and (p := layer._positions) is not None}.values())
         own = self.rows.nbytes() if self.rows is not None else 0
         return own + sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -292,11 +364,15 @@ def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | No
             clock: LengthLayer | None = None) -> DynamicCache:
     """A cache with an entry per block: `layers` for the span's blocks; every other entry is the span's first
     layer of the same family of kinds (attention or recurrent), else `clock` (length only) for attention
-    kinds and an empty recurrent layer for recurrent ones."""
+    kinds and an empty recurrent layer for recurrent ones. An indexed entry outside the span is the span's first
+    indexed layer, else `clock`: what a family keeps there for its indexers (positions) is the session's."""
     kinds = list(kinds) if kinds is not None else ["full_attention"] * num_blocks
     recurrent = [layers[i] for i in span if isinstance(layers[i], LinearAttentionLayer)]
     attention = [layers[i] for i in span if isinstance(layers[i], CacheLayerMixin)
                  and not isinstance(layers[i], DummyLayer)]
+    indexed = [layers[i] for i in span
+               if KIND_CACHES.get(kinds[i]) == INDEXED and not isinstance(layers[i], DummyLayer)]
+    clock = clock or LengthLayer()
     spare_recurrent = None
     entries = []
     for i in range(num_blocks):
@@ -309,8 +385,10 @@ def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | No
             if not recurrent and spare_recurrent is None:
                 spare_recurrent = LinearAttentionLayer()
             entries.append(recurrent[0] if recurrent else spare_recurrent)
+        elif cache == INDEXED:
+            entries.append(indexed[0] if indexed else clock)
         else:
-            entries.append(attention[0] if attention else (clock or LengthLayer()))
+            entries.append(attention[0] if attention else clock)
     kv = DynamicCache()
     kv.layers = entries
     return kv

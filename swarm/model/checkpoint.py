@@ -42,7 +42,8 @@ VERIFIED_FAMILIES = families.EXACT
 SEE = "see docs/models.md for every model type and why"
 # Layer kinds whose cache is keys and values of every past token: the family's own forward builds
 # their masks (causal, windowed, chunked) from the cache's length.
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# An indexed kind also keeps its indexer's keys of every past token (dynamic sparse attention).
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 # Kinds whose cache is a recurrent state (state-space, linear attention, convolutions; hybrids hold both),
 # kept per session with copies at step ends for rollback; and layers with no cache of their own.
 RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding")

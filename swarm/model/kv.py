@@ -1,7 +1,8 @@
 """Where a span's attention keys and values live: storage allocated ahead, written in place, shared by forks.
 
 Layout (`KVLayout`): token-major. A session of `rows` sequences holds, per row, up to `capacity` tokens; each
-token holds every attention layer's keys then values, head after head. A layer's keys for a session's first
+token holds every attention layer's keys then values, head after head (and, for an indexed attention layer, its
+indexer's key after them: a part of one head and no values). A layer's keys for a session's first
 L tokens are a strided view `[rows, heads, L, dim]` of that storage (`Rows.keys`): a step writes its new
 tokens where they belong (`Rows.write`) and attends over a view; no step copies history.
 
@@ -45,7 +46,8 @@ MAX_BLOCK_TOKENS = 256  # ... and at most: a layout whose pages need more blocks
 
 @dataclass(frozen=True)
 class Part:
-    """One attention layer's keys and values within a token (offsets in elements from the token's start)."""
+    """One attention layer's keys and values within a token (offsets in elements from the token's start); of
+    `name` "indexer", its indexer's keys (one head, no values)."""
 
     layer: int
     key_heads: int
@@ -54,6 +56,7 @@ class Part:
     value_dim: int
     key_offset: int
     value_offset: int
+    name: str = "kv"
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,18 @@ class KVLayout:
     device: torch.device
 
     @classmethod
-    def of(cls, shapes: dict[int, tuple[int, int, int, int]], dtype: torch.dtype, device) -> KVLayout:
-        """From each attention layer's (key heads, key dim, value heads, value dim), by global layer index."""
+    def of(cls, shapes: dict[int, tuple[int, int, int, int]], dtype: torch.dtype, device,
+           indexers: dict[int, int] | None = None) -> KVLayout:
+        """From each attention layer's (key heads, key dim, value heads, value dim), by global layer index, and
+        each indexed layer's indexer key width (`indexers`)."""
         parts, offset = [], 0
         for layer in sorted(shapes):
             kh, kd, vh, vd = shapes[layer]
             parts.append(Part(layer, kh, kd, vh, vd, offset, offset + kh * kd))
             offset += kh * kd + vh * vd
+            if indexers and layer in indexers:
+                parts.append(Part(layer, 1, indexers[layer], 0, 0, offset, offset + indexers[layer], "indexer"))
+                offset += indexers[layer]
         return cls(tuple(parts), dtype, torch.device(device))
 
     @functools.cached_property
@@ -83,11 +91,11 @@ class KVLayout:
         """Bytes one token of one row takes: 2 x layers x heads x head dim x the dtype's size, for uniform layers."""
         return self.token_elements * self.dtype.itemsize
 
-    def part(self, layer: int) -> Part:
+    def part(self, layer: int, name: str = "kv") -> Part:
         for p in self.parts:
-            if p.layer == layer:
+            if p.layer == layer and p.name == name:
                 return p
-        raise KeyError(f"layer {layer} keeps no keys and values in this layout")
+        raise KeyError(f"layer {layer} keeps no {'keys and values' if name == 'kv' else name + ' keys'} in this layout")
 
     def mappable(self) -> bool:
         """Whether blocks of this layout can be pages of a memory file: Linux, the CPU, and a block size in range."""

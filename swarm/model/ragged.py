@@ -96,6 +96,9 @@ class RaggedLayer(LengthLayer):
         self.batch.stand_ins = (keys, values)  # alive until then: ids are not reused
         return keys, values
 
+    def update_indexer(self, indexer_key_states: torch.Tensor):
+        raise RaggedUnsupported("an indexer scores its cached keys itself")
+
     @property
     def keys(self):
         raise RaggedUnsupported("a layer reads another layer's cached keys")

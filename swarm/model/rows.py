@@ -237,11 +237,13 @@ class Rows:
     def values(self, part, length: int) -> torch.Tensor:
         return self._view(part.value_offset, part.value_heads, part.value_dim, 0, length)
 
-    def write(self, part, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values [rows, heads, n, dim] of tokens [start, start + n) (prepared)."""
+    def write(self, part, start: int, keys: torch.Tensor, values: torch.Tensor | None) -> None:
+        """Keys and values [rows, heads, n, dim] of tokens [start, start + n) (prepared); no values for a part
+        that has none."""
         n = keys.shape[-2]
         self._view(part.key_offset, part.key_heads, part.key_dim, start, n).copy_(keys)
-        self._view(part.value_offset, part.value_heads, part.value_dim, start, n).copy_(values)
+        if values is not None:
+            self._view(part.value_offset, part.value_heads, part.value_dim, start, n).copy_(values)
 
     def _view(self, offset: int, heads: int, dim: int, start: int, length: int) -> torch.Tensor:
         """Tokens [start, start + length) of the part at `offset` of every row: `[rows, heads, length, dim]`."""

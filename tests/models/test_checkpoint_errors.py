@@ -14,7 +14,7 @@ from swarm.span import Span
 pytestmark = pytest.mark.models
 
 
-@pytest.mark.parametrize("model_type", ["t5", "bart", "deepseek_v32"])
+@pytest.mark.parametrize("model_type", ["t5", "bart", "gemma4_unified_text"])
 def test_unsupported_architectures_are_named(model_type, tmp_path):
     AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")  # never reached: refused on the config alone
