@@ -30,13 +30,16 @@ from swarm.model.kv import Part, Pool, Rows
 from swarm.span import Span
 
 ATTENTION, RECURRENT, HYBRID, DUMMY = "attention", "recurrent", "hybrid", "dummy"
+COMPRESSED = "compressed"
 # What each layer kind keeps. Attention kinds keep every past key and value (windows and chunks come from the
 # masks), so any earlier position can be returned to. Recurrent kinds keep a state that cannot be cropped:
-# rollback restores a copy taken at the end of an earlier step. Hybrid kinds keep both.
+# rollback restores a copy taken at the end of an earlier step. Hybrid kinds keep both, and so do compressed
+# kinds (keys, and compressor states: `swarm.model.compressed`).
 KIND_CACHES = {
     "full_attention": ATTENTION, "sliding_attention": ATTENTION, "chunked_attention": ATTENTION,
     "linear_attention": RECURRENT, "conv": RECURRENT, "hybrid": HYBRID, "hybrid_sliding": HYBRID,
     "dummy": DUMMY,  # layers with no cache of their own (no attention, or one shared with another layer)
+    "compressed_sparse_attention": COMPRESSED, "heavily_compressed_attention": COMPRESSED,
 }
 STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                 "is_recurrent_states_initialized", "conv_kernel_size", "device", "dtype")
@@ -150,7 +153,11 @@ class SpanCache:
 
     def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
                  kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None,
-                 pool: Pool | None = None, rows: Rows | None = None):
+                 pool: Pool | None = None, rows: Rows | None = None, layer_kwargs: Sequence[dict] | None = None,
+                 kv_class: type | None = None):
+        """`layer_kwargs`: transformers' per-layer cache arguments (`get_layer_types_and_kwargs`: the config of
+        compressed kinds); `kv_class`: the class of the per-block cache the family's forward takes
+        (`swarm.model.family_cache`)."""
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
@@ -158,18 +165,20 @@ class SpanCache:
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * n
         self.state_counts = list(state_counts) if state_counts is not None else [1] * n
         self.pool = pool
+        self.layer_kwargs = list(layer_kwargs) if layer_kwargs is not None else [{}] * n
+        self.kv_class = kv_class
         self.rows = rows if rows is not None or pool is None else pool.rows(batch_size, max_length)
         self.clock = LengthLayer()  # the committed length, for entries the span cannot stand in for
         own = {i: self._layer(i) for i in span}
-        self.kv = span_kv(span, n, own, self.kinds, self.clock)
+        self.kv = span_kv(span, n, own, self.kinds, self.clock, kv_class)
         self.attention = [own[i] for i in span if isinstance(own[i], LengthLayer)]  # every entry with a length
-        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer)]
+        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer) or hasattr(own[i], "snapshot")]
         self.snapshots: dict[int, list[dict]] = {}
 
     def _layer(self, i: int):
         cache = kind_cache(self.kinds[i])
         part = None
-        if cache in (ATTENTION, HYBRID) and self.pool is not None:
+        if cache in (ATTENTION, HYBRID, COMPRESSED) and self.pool is not None:
             try:
                 part = self.pool.layout.part(i)
             except KeyError:  # the layer kept nothing when its shapes were probed: it reads another's
@@ -182,11 +191,25 @@ class SpanCache:
             return HybridLayer(self.rows, part, number_of_states=self.state_counts[i])
         if cache == RECURRENT:
             return LinearAttentionLayer(number_of_states=self.state_counts[i])
+        if cache == COMPRESSED:
+            from swarm.model import compressed
+
+            if part is None:  # no storage (a checkpoint's probe): transformers' own
+                return compressed.family_layer(self.kinds[i], self.layer_kwargs[i])
+            return compressed.CompressedLayer(self.rows, part, self.kinds[i],
+                                              compressed.layer_kwargs_config(self.layer_kwargs[i]))
         return DummyLayer()
 
     @property
     def own(self) -> list:
         return self.kv.layers[self.span.start:self.span.end]
+
+    @property
+    def _kept(self) -> str:
+        """What the stateful layers keep, for messages."""
+        if all(hasattr(layer, "snapshot") for layer in self.stateful):
+            return "compressed-attention state (entries and partial windows)"
+        return "recurrent state"
 
     @property
     def length(self) -> int:
@@ -221,7 +244,7 @@ class SpanCache:
         if position == self.length:
             return
         if self.stateful and position and position not in self.snapshots:
-            raise BadRequest(f"blocks {self.span}: recurrent state can return only to the ends of the last "
+            raise BadRequest(f"blocks {self.span}: {self._kept} can return only to the ends of the last "
                              f"{SNAPSHOTS} steps ({sorted(self.snapshots)}), not to {position}; replay from 0")
         self.clock.length = position
         for layer in self.attention:
@@ -243,12 +266,12 @@ class SpanCache:
         if not 0 <= length <= self.length:
             raise BadRequest(f"cannot copy {length} positions of the cache of span {self.span}: it holds {self.length}")
         if self.stateful and length not in (0, self.length) and length not in self.snapshots:
-            raise BadRequest(f"blocks {self.span}: recurrent state is kept only at the ends of the last {SNAPSHOTS} "
+            raise BadRequest(f"blocks {self.span}: {self._kept} is kept only at the ends of the last {SNAPSHOTS} "
                              f"steps ({sorted(self.snapshots)}) and at {self.length}, not at {length}")
         max_length = max_length or self.max_length
         rows = self.rows.fork(length, max_length, credits) if self.rows is not None else None
         new = SpanCache(self.span, self.batch_size, max_length, len(self.kinds), self.kinds, self.state_counts,
-                        self.pool, rows)
+                        self.pool, rows, self.layer_kwargs, self.kv_class)
         if length:  # at 0 the new cache's states are fresh, as a rollback to 0 resets them
             new.clock.length = length
             for layer in new.attention:
@@ -266,12 +289,10 @@ class SpanCache:
     def nbytes(self) -> int:
         """Bytes this session's storage covers: its attention blocks (shared ones in full), its recurrent states
         and their snapshots."""
-        tensors = [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
-                   for t in states.values()]
-        tensors += [t for snap in self.snapshots.values() for state in snap
-                    for states in (state["conv_states"], state["recurrent_states"]) for t in states.values()]
+        tensors = {id(t): t for state in [_live(layer) for layer in self.stateful] + [
+            state for snap in self.snapshots.values() for state in snap] for t in _tensors(state)}
         own = self.rows.nbytes() if self.rows is not None else 0
-        return own + sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return own + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _clone(state: dict) -> dict:
@@ -279,17 +300,34 @@ def _clone(state: dict) -> dict:
             if isinstance(value, dict) else value for field, value in state.items()}
 
 
+def _live(layer) -> dict:
+    """A stateful layer's state as it is (references): its own `state()`, or transformers' recurrent fields."""
+    if hasattr(layer, "state"):
+        return layer.state()
+    return {field: getattr(layer, field) for field in STATE_FIELDS}
+
+
+def _tensors(state: dict) -> list:
+    return [t for value in state.values() for t in (value.values() if isinstance(value, dict) else [value])
+            if isinstance(t, torch.Tensor)]
+
+
 def _state_of(layer) -> dict:
-    return _clone({field: getattr(layer, field) for field in STATE_FIELDS})
+    if hasattr(layer, "snapshot"):  # a layer that says what a copy of its state needs (`swarm.model.compressed`)
+        return layer.snapshot()
+    return _clone(_live(layer))
 
 
 def _restore(layer, state: dict) -> None:
+    if hasattr(layer, "restore"):
+        layer.restore(state)
+        return
     for field, value in _clone(state).items():
         setattr(layer, field, value)
 
 
 def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | None = None,
-            clock: LengthLayer | None = None) -> DynamicCache:
+            clock: LengthLayer | None = None, kv_class: type | None = None) -> DynamicCache:
     """A cache with an entry per block: `layers` for the span's blocks; every other entry is the span's first
     layer of the same family of kinds (attention or recurrent), else `clock` (length only) for attention
     kinds and an empty recurrent layer for recurrent ones."""
@@ -311,6 +349,6 @@ def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | No
             entries.append(recurrent[0] if recurrent else spare_recurrent)
         else:
             entries.append(attention[0] if attention else (clock or LengthLayer()))
-    kv = DynamicCache()
+    kv = (kv_class or DynamicCache)()
     kv.layers = entries
     return kv
