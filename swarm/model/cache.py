@@ -10,8 +10,9 @@ Invariants:
   lengths; a fork shares the source's full blocks.
 - The cache length always equals the session's position. A step runs between `begin` (room made for its
   tokens) and `advance` (its tokens counted) or `abort` (every layer back to the length before it).
-- Recurrent layers keep their state plus copies of it at the ends of the last `SNAPSHOTS` steps: a
-  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a fork.
+- Recurrent layers, and compressed-attention layers' compressors (`swarm.model.compressed`), keep their state
+  plus copies of it at the ends of the last `SNAPSHOTS` steps: a rollback to one of those positions (or to 0)
+  is exact, any other is a `BadRequest`. So is a fork. A failed step puts the copy of the last end back.
 - A fork's recurrent states share no tensor with its source's: either may step or roll back without
   changing the other. Its attention blocks are shared until one of them writes there (copy on write).
 """
@@ -231,11 +232,16 @@ class SpanCache:
                 del self.snapshots[old]
 
     def abort(self) -> None:
-        """Forget a step that failed midway: every attention layer back to the cache's length. (Recurrent states a
-        failed step changed are not restored: a failed step of a recurrent span must be replayed from a kept
-        step end.)"""
+        """Forget a step that failed midway: every attention layer back to the cache's length, and every stateful
+        layer (recurrent, compressed) back to its copy kept at that length (the last step's end), or fresh at 0:
+        the layers may have changed their states before the failure."""
         for layer in self.attention:
             layer.length = self.length
+        for i, layer in enumerate(self.stateful):
+            if self.length in self.snapshots:
+                _restore(layer, self.snapshots[self.length][i])
+            elif not self.length:
+                layer.reset()
 
     def rollback(self, position: int) -> None:
         """Forget every token at `position` and after."""

@@ -100,6 +100,19 @@ def test_compressed_attention_refuses_positions_it_did_not_keep(v4):
     with pytest.raises(BadRequest, match=r"\[23, 24, 25, 26, 27, 28, 29, 30\].* not at 7"):
         cache.fork(7)
     assert cache.length == 30  # nothing moved
+
+    def fail(module, args, output):
+        raise RuntimeError("a layer failed")
+
+    handle = model.model.layers[3].register_forward_hook(fail)  # after three layers changed their compressors
+    try:
+        with pytest.raises(RuntimeError):
+            v4_step(model, cache, torch.tensor([[9]]), 30)
+    finally:
+        handle.remove()
+    cache.abort()
+    longer = torch.cat([IDS, torch.tensor([[9]])], dim=1)
+    assert (v4_step(model, cache, longer[:, 30:], 30) - model(longer).logits[:, 30:]).abs().max() <= TOLERANCE
     fresh = v4_step(model, cache, IDS[:, :9], 0)  # back to 0 is always possible
     assert (fresh - model(IDS[:, :9]).logits).abs().max() <= TOLERANCE
 
