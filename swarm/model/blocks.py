@@ -31,8 +31,10 @@ from transformers.cache_utils import (DummyLayer, DynamicIndexedLayer, DynamicLa
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.model.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest, SwarmError
-from swarm.model.cache import (ATTENTION, HYBRID, INDEXED, RECURRENT, AttentionLayer, LengthLayer, SpanCache,
-                               kind_cache, span_kv)
+from swarm.model.cache import (ATTENTION, COMPRESSED, HYBRID, INDEXED, RECURRENT, AttentionLayer, LengthLayer,
+                               SpanCache, kind_cache, span_kv)
+from swarm.model.compressed import family_layer
+from swarm.model.family_cache import cache_class
 from swarm.model.ragged import (NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, batch_dependent,
                                 configs_of, ragged)
 from swarm.model.kv import KVLayout, Pool, Rows
@@ -91,7 +93,9 @@ class SpanBlocks(torch.nn.Module):
         kinds, per_layer = get_layer_types_and_kwargs(ckpt.text_config)
         self.cache_kinds = list(kinds)
         self.state_counts = [kw.get("number_of_states", 1) for kw in per_layer]
-        self.recurrent = any(kind_cache(kinds[i]) in (RECURRENT, HYBRID) for i in span)
+        self.layer_kwargs = list(per_layer)
+        self.kv_class = cache_class(ckpt.model_type)
+        self.recurrent = any(kind_cache(kinds[i]) in (RECURRENT, HYBRID, COMPRESSED) for i in span)
         self._layout: KVLayout | None = None
         self._pool: Pool | None = None
         self._pool_tokens = DEFAULT_POOL_TOKENS
@@ -143,9 +147,11 @@ class SpanBlocks(torch.nn.Module):
             if cache in (RECURRENT, HYBRID):
                 layers[i] = (LinearAttentionLayer if cache == RECURRENT else LinearAttentionAndFullAttentionLayer)(
                     number_of_states=self.state_counts[i])
+            elif cache == COMPRESSED:
+                layers[i] = family_layer(self.cache_kinds[i], self.layer_kwargs[i])
             else:
                 layers[i] = {ATTENTION: DynamicLayer, INDEXED: DynamicIndexedLayer}.get(cache, DummyLayer)()
-        kv = span_kv(self.span, self.num_blocks, layers, self.cache_kinds)
+        kv = span_kv(self.span, self.num_blocks, layers, self.cache_kinds, kv_class=self.kv_class)
         hidden = torch.randn(1, 1, self.hidden_size, generator=torch.Generator().manual_seed(0)).to(self.device,
                                                                                                     self.dtype)
         self._run(self.span, hidden, kv, position_ids_for(1, 1, 0, None, self.device), None)
@@ -183,7 +189,8 @@ class SpanBlocks(torch.nn.Module):
         """A session's cache; its keys and values in `rows` (a peer's session table makes them from `pool`, to
         count them) or in new rows of the blocks' own pool."""
         return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds,
-                         self.state_counts, rows.pool if rows is not None else self.pool, rows)
+                         self.state_counts, rows.pool if rows is not None else self.pool, rows, self.layer_kwargs,
+                         self.kv_class)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,

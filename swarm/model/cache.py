@@ -13,8 +13,9 @@ Invariants:
   entry's length, so a rollback forgets the later ones too; a fork copies them.
 - The cache length always equals the session's position. A step runs between `begin` (room made for its
   tokens) and `advance` (its tokens counted) or `abort` (every layer back to the length before it).
-- Recurrent layers keep their state plus copies of it at the ends of the last `SNAPSHOTS` steps: a
-  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a fork.
+- Recurrent layers, and compressed-attention layers' compressors (`swarm.model.compressed`), keep their state
+  plus copies of it at the ends of the last `SNAPSHOTS` steps: a rollback to one of those positions (or to 0)
+  is exact, any other is a `BadRequest`. So is a fork. A failed step puts the copy of the last end back.
 - A fork's recurrent states share no tensor with its source's: either may step or roll back without
   changing the other. Its attention blocks are shared until one of them writes there (copy on write).
 """
@@ -33,14 +34,17 @@ from swarm.model.kv import Part, Pool, Rows
 from swarm.span import Span
 
 ATTENTION, INDEXED, RECURRENT, HYBRID, DUMMY = "attention", "indexed", "recurrent", "hybrid", "dummy"
+COMPRESSED = "compressed"
 # What each layer kind keeps. Attention kinds keep every past key and value (windows and chunks come from the
 # masks), so any earlier position can be returned to. Recurrent kinds keep a state that cannot be cropped:
-# rollback restores a copy taken at the end of an earlier step. Hybrid kinds keep both.
+# rollback restores a copy taken at the end of an earlier step. Hybrid kinds keep both, and so do compressed
+# kinds (keys, and compressor states: `swarm.model.compressed`).
 KIND_CACHES = {
     "full_attention": ATTENTION, "sliding_attention": ATTENTION, "chunked_attention": ATTENTION,
     "indexed_attention": INDEXED,  # keys and values, plus the keys of an indexer choosing which ones each query sees
     "linear_attention": RECURRENT, "conv": RECURRENT, "hybrid": HYBRID, "hybrid_sliding": HYBRID,
     "dummy": DUMMY,  # layers with no cache of their own (no attention, or one shared with another layer)
+    "compressed_sparse_attention": COMPRESSED, "heavily_compressed_attention": COMPRESSED,
 }
 STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                 "is_recurrent_states_initialized", "conv_kernel_size", "device", "dtype")
@@ -211,7 +215,11 @@ class SpanCache:
 
     def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
                  kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None,
-                 pool: Pool | None = None, rows: Rows | None = None):
+                 pool: Pool | None = None, rows: Rows | None = None, layer_kwargs: Sequence[dict] | None = None,
+                 kv_class: type | None = None):
+        """`layer_kwargs`: transformers' per-layer cache arguments (`get_layer_types_and_kwargs`: the config of
+        compressed kinds); `kv_class`: the class of the per-block cache the family's forward takes
+        (`swarm.model.family_cache`)."""
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
@@ -219,18 +227,20 @@ class SpanCache:
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * n
         self.state_counts = list(state_counts) if state_counts is not None else [1] * n
         self.pool = pool
+        self.layer_kwargs = list(layer_kwargs) if layer_kwargs is not None else [{}] * n
+        self.kv_class = kv_class
         self.rows = rows if rows is not None or pool is None else pool.rows(batch_size, max_length)
         self.clock = LengthLayer()  # the committed length, for entries the span cannot stand in for
         own = {i: self._layer(i) for i in span}
-        self.kv = span_kv(span, n, own, self.kinds, self.clock)
+        self.kv = span_kv(span, n, own, self.kinds, self.clock, kv_class)
         self.attention = [own[i] for i in span if isinstance(own[i], LengthLayer)]  # every entry with a length
-        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer)]
+        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer) or hasattr(own[i], "snapshot")]
         self.snapshots: dict[int, list[dict]] = {}
 
     def _layer(self, i: int):
         cache = kind_cache(self.kinds[i])
         part = indexer = None
-        if cache in (ATTENTION, INDEXED, HYBRID) and self.pool is not None:
+        if cache in (ATTENTION, INDEXED, HYBRID, COMPRESSED) and self.pool is not None:
             try:
                 part = self.pool.layout.part(i)
             except KeyError:  # the layer kept nothing when its shapes were probed: it reads another's
@@ -249,11 +259,25 @@ class SpanCache:
             return HybridLayer(self.rows, part, number_of_states=self.state_counts[i])
         if cache == RECURRENT:
             return LinearAttentionLayer(number_of_states=self.state_counts[i])
+        if cache == COMPRESSED:
+            from swarm.model import compressed
+
+            if part is None:  # no storage (a checkpoint's probe): transformers' own
+                return compressed.family_layer(self.kinds[i], self.layer_kwargs[i])
+            return compressed.CompressedLayer(self.rows, part, self.kinds[i],
+                                              compressed.layer_kwargs_config(self.layer_kwargs[i]))
         return DummyLayer()
 
     @property
     def own(self) -> list:
         return self.kv.layers[self.span.start:self.span.end]
+
+    @property
+    def _kept(self) -> str:
+        """What the stateful layers keep, for messages."""
+        if all(hasattr(layer, "snapshot") for layer in self.stateful):
+            return "compressed-attention state (entries and partial windows)"
+        return "recurrent state"
 
     @property
     def length(self) -> int:
@@ -275,11 +299,16 @@ class SpanCache:
                 del self.snapshots[old]
 
     def abort(self) -> None:
-        """Forget a step that failed midway: every attention layer back to the cache's length. (Recurrent states a
-        failed step changed are not restored: a failed step of a recurrent span must be replayed from a kept
-        step end.)"""
+        """Forget a step that failed midway: every attention layer back to the cache's length, and every stateful
+        layer (recurrent, compressed) back to its copy kept at that length (the last step's end), or fresh at 0:
+        the layers may have changed their states before the failure."""
         for layer in self.attention:
             layer.length = self.length
+        for i, layer in enumerate(self.stateful):
+            if self.length in self.snapshots:
+                _restore(layer, self.snapshots[self.length][i])
+            elif not self.length:
+                layer.reset()
 
     def rollback(self, position: int) -> None:
         """Forget every token at `position` and after."""
@@ -288,7 +317,7 @@ class SpanCache:
         if position == self.length:
             return
         if self.stateful and position and position not in self.snapshots:
-            raise BadRequest(f"blocks {self.span}: recurrent state can return only to the ends of the last "
+            raise BadRequest(f"blocks {self.span}: {self._kept} can return only to the ends of the last "
                              f"{SNAPSHOTS} steps ({sorted(self.snapshots)}), not to {position}; replay from 0")
         self.clock.length = position
         for layer in self.attention:
@@ -310,12 +339,12 @@ class SpanCache:
         if not 0 <= length <= self.length:
             raise BadRequest(f"cannot copy {length} positions of the cache of span {self.span}: it holds {self.length}")
         if self.stateful and length not in (0, self.length) and length not in self.snapshots:
-            raise BadRequest(f"blocks {self.span}: recurrent state is kept only at the ends of the last {SNAPSHOTS} "
+            raise BadRequest(f"blocks {self.span}: {self._kept} is kept only at the ends of the last {SNAPSHOTS} "
                              f"steps ({sorted(self.snapshots)}) and at {self.length}, not at {length}")
         max_length = max_length or self.max_length
         rows = self.rows.fork(length, max_length, credits) if self.rows is not None else None
         new = SpanCache(self.span, self.batch_size, max_length, len(self.kinds), self.kinds, self.state_counts,
-                        self.pool, rows)
+                        self.pool, rows, self.layer_kwargs, self.kv_class)
         for mine, theirs in zip(new.kv.layers + [new.clock], self.kv.layers + [self.clock]):
             if isinstance(theirs, LengthLayer) and theirs._positions is not None and length:
                 mine.indexer_position_ids = theirs._positions[..., :length].clone()
@@ -336,14 +365,12 @@ class SpanCache:
     def nbytes(self) -> int:
         """Bytes this session's storage covers: its attention blocks (shared ones in full), its recurrent states
         and their snapshots."""
-        tensors = [t for layer in self.stateful for states in (layer.conv_states, layer.recurrent_states)
-                   for t in states.values()]
-        tensors += [t for snap in self.snapshots.values() for state in snap
-                    for states in (state["conv_states"], state["recurrent_states"]) for t in states.values()]
-        tensors += list({id(p): p for layer in self.kv.layers + [self.clock] if isinstance(layer, LengthLayer)
-                         and (p := layer._positions) is not None}.values())
+        tensors = {id(t): t for state in [_live(layer) for layer in self.stateful] + [
+            state for snap in self.snapshots.values() for state in snap] for t in _tensors(state)}
+        tensors.update({id(p): p for layer in self.kv.layers + [self.clock] if isinstance(layer, LengthLayer)
+                        and (p := layer._positions) is not None})
         own = self.rows.nbytes() if self.rows is not None else 0
-        return own + sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return own + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _clone(state: dict) -> dict:
@@ -351,17 +378,34 @@ def _clone(state: dict) -> dict:
             if isinstance(value, dict) else value for field, value in state.items()}
 
 
+def _live(layer) -> dict:
+    """A stateful layer's state as it is (references): its own `state()`, or transformers' recurrent fields."""
+    if hasattr(layer, "state"):
+        return layer.state()
+    return {field: getattr(layer, field) for field in STATE_FIELDS}
+
+
+def _tensors(state: dict) -> list:
+    return [t for value in state.values() for t in (value.values() if isinstance(value, dict) else [value])
+            if isinstance(t, torch.Tensor)]
+
+
 def _state_of(layer) -> dict:
-    return _clone({field: getattr(layer, field) for field in STATE_FIELDS})
+    if hasattr(layer, "snapshot"):  # a layer that says what a copy of its state needs (`swarm.model.compressed`)
+        return layer.snapshot()
+    return _clone(_live(layer))
 
 
 def _restore(layer, state: dict) -> None:
+    if hasattr(layer, "restore"):
+        layer.restore(state)
+        return
     for field, value in _clone(state).items():
         setattr(layer, field, value)
 
 
 def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | None = None,
-            clock: LengthLayer | None = None) -> DynamicCache:
+            clock: LengthLayer | None = None, kv_class: type | None = None) -> DynamicCache:
     """A cache with an entry per block: `layers` for the span's blocks; every other entry is the span's first
     layer of the same family of kinds (attention or recurrent), else `clock` (length only) for attention
     kinds and an empty recurrent layer for recurrent ones. An indexed entry outside the span is the span's first
@@ -389,6 +433,6 @@ def span_kv(span: Span, num_blocks: int, layers: dict, kinds: Sequence[str] | No
             entries.append(indexed[0] if indexed else clock)
         else:
             entries.append(attention[0] if attention else clock)
-    kv = DynamicCache()
+    kv = (kv_class or DynamicCache)()
     kv.layers = entries
     return kv

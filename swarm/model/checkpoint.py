@@ -47,7 +47,9 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "
 # Kinds whose cache is a recurrent state (state-space, linear attention, convolutions; hybrids hold both),
 # kept per session with copies at step ends for rollback; and layers with no cache of their own.
 RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
-LAYER_KINDS = ATTENTION_KINDS + RECURRENT_KINDS + ("dummy",)
+# Kinds that keep keys and the states of compressors over windows of tokens (`swarm.model.compressed`).
+COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
+LAYER_KINDS = ATTENTION_KINDS + RECURRENT_KINDS + COMPRESSED_KINDS + ("dummy",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -243,15 +245,18 @@ class Checkpoint:
         """Whether some layer keeps a recurrent state (its cache returns only to the ends of recent steps)."""
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        return any(kind in RECURRENT_KINDS for kind in get_layer_types_and_kwargs(self.text_config)[0])
+        kinds = get_layer_types_and_kwargs(self.text_config)[0]
+        return any(kind in RECURRENT_KINDS + COMPRESSED_KINDS for kind in kinds)
 
     def _session_cache(self, span, batch: int = 1):
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         from swarm.model.cache import SpanCache
+        from swarm.model.family_cache import cache_class
 
         kinds, per_layer = get_layer_types_and_kwargs(self.text_config)
-        return SpanCache(span, batch, 16, self.num_blocks, kinds, [kw.get("number_of_states", 1) for kw in per_layer])
+        return SpanCache(span, batch, 16, self.num_blocks, kinds, [kw.get("number_of_states", 1) for kw in per_layer],
+                         layer_kwargs=per_layer, kv_class=cache_class(self.model_type))
 
     def model_key(self, name: str) -> str:
         """The model's name for checkpoint tensor `name`, by transformers' own key mapping (legacy
@@ -424,11 +429,30 @@ def check_supported(config: PretrainedConfig) -> None:
     if unknown:
         raise UnsupportedModel(f"model type {kind!r} uses layer kinds {unknown} that blocks cannot run yet; "
                                f"only {LAYER_KINDS} ({supported})")
+    missing = _span_inputs_missing(text)
+    if missing:
+        raise UnsupportedModel(f"model type {kind!r}: {missing} ({supported})")
     if kind in families.INEXACT:
         raise UnsupportedModel(f"model type {kind!r} is not computed exactly in spans: {families.INEXACT[kind]} "
                                f"({supported})")
     if kind not in VERIFIED_FAMILIES:
         logger.warning("model type %r has not been checked against transformers (%s); trying it anyway", kind, SEE)
+
+
+def _span_inputs_missing(text: PretrainedConfig) -> str:
+    """What a span of this config's layers would need beyond the hidden states [batch, tokens, hidden] a span
+    takes and returns ("" if nothing)."""
+    reasons = []
+    hashed = [i for i, kind in enumerate(getattr(text, "mlp_layer_types", None) or []) if kind == "hash_moe"]
+    if hashed:
+        reasons.append(f"its layers {hashed} pick their experts by token id (hash_moe), and a span is given hidden "
+                       "states only, not the token ids")
+    streams = getattr(text, "hc_mult", 1)
+    if isinstance(streams, int) and streams > 1:
+        reasons.append(f"its layers pass {streams} residual streams [batch, tokens, {streams}, hidden] from one to "
+                       "the next (hyper-connections), not the hidden states [batch, tokens, hidden] a span takes and "
+                       "returns")
+    return "; ".join(reasons)
 
 
 def parallel_layer_lists(model: torch.nn.Module, n: int) -> list[str]:

@@ -221,16 +221,16 @@ def _parent(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
     return parent, attr
 
 
-def length_cache(batch: int, length: int, num_blocks: int, device=None):
+def length_cache(batch: int, length: int, num_blocks: int, device=None, kv_class: type | None = None):
     """A cache that holds nothing but says it holds `length` tokens: what a family's embedding step reads
-    positions from when its forward takes no position ids."""
+    positions from when its forward takes no position ids (of `kv_class`, where the family takes no other)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     layer = DynamicLayer()
     if length:
         layer.update(torch.zeros(batch, 1, length, 1, device=device), torch.zeros(batch, 1, length, 1, device=device))
-    kv = DynamicCache()
+    kv = (kv_class or DynamicCache)()
     kv.layers = [layer] * num_blocks
     return kv
 

@@ -14,6 +14,7 @@ import torch
 
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.errors import BadRequest, CheckpointError
+from swarm.model.family_cache import cache_class
 from swarm.model.frame import Plan, build, length_cache, position_ids_for
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class ModelHead(torch.nn.Module):
         if self.embed_tokens.weight.device.type == "meta":
             raise CheckpointError(f"{ckpt.path}: the checkpoint has no token embeddings")
         self.slot = frame.entries[0]
+        self.kv_class = cache_class(ckpt.model_type)
         self.hidden_size = ckpt.hidden_size
         self.requires_grad_(False)
         self.eval()
@@ -60,7 +62,8 @@ class ModelHead(torch.nn.Module):
         batch, tokens = input_ids.shape
         position_ids = position_ids_for(batch, tokens, position, attention_mask, self.device)
         return self.frame.call(Plan(capture=self.slot), input_ids=input_ids.to(self.device), position_ids=position_ids,
-                               cache=length_cache(batch, position, self.num_blocks, self.device), use_cache=True)
+                               cache=length_cache(batch, position, self.num_blocks, self.device, self.kv_class),
+                               use_cache=True)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
