@@ -263,7 +263,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             ckpt = Checkpoint(model, model_config, source=weights.source)
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)
             connection.client.referee = Referee(ckpt)  # waits for the join, raising its error
-            self = cls(copy.deepcopy(ckpt.config), head, connection, model_id)
+            wrapper_config = copy.deepcopy(ckpt.config)
+            # Building the family's classes chose an experts implementation on the config; this wrapper holds no
+            # experts (they run on the peers) and transformers refuses to set one on it: it picks its own.
+            wrapper_config._experts_implementation_internal = None
+            self = cls(wrapper_config, head, connection, model_id)
             self.reuse_sessions = reuse_sessions
             if (Path(model) / "generation_config.json").exists():
                 self.generation_config = GenerationConfig.from_pretrained(model)

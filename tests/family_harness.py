@@ -78,7 +78,8 @@ OVERRIDES: dict[str, dict] = {
                  ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
     "dots3_note": dict(head_dim=16), "dots3_note_text": dict(head_dim=16),
     "gemma3n_text": dict(num_kv_shared_layers=2, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
-    # The larger Gemma 4 checkpoints have no per-layer inputs (the smaller ones do: see `PER_LAYER_INPUTS`).
+    # The larger Gemma 4 checkpoints have no per-layer inputs (the smaller ones do, and share keys and values
+    # across layers: tests/models/test_every_family.py::test_per_layer_inputs_are_exact, tests/models/test_streams.py).
     "gemma4": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
     "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),
     "gemma4_unified": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=0),

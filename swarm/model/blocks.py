@@ -89,7 +89,7 @@ class SpanBlocks(torch.nn.Module):
             if i not in shared:
                 quantize(layers[i], self.precision)
         self.config = ckpt.text_config
-        self._hidden_size = ckpt.hidden_size
+        self.boundary = ckpt.boundary  # what the span takes and returns per token (`swarm.model.streams`)
         kinds, per_layer = get_layer_types_and_kwargs(ckpt.text_config)
         self.cache_kinds = list(kinds)
         self.state_counts = [kw.get("number_of_states", 1) for kw in per_layer]
@@ -121,7 +121,9 @@ class SpanBlocks(torch.nn.Module):
 
     @property
     def hidden_size(self) -> int:
-        return self._hidden_size
+        """The width of what the span takes and returns per token (and the wire carries): the hidden states, and
+        the family's other streams after them (`swarm.model.streams.Boundary`)."""
+        return self.boundary.width
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -334,12 +336,23 @@ class SpanBlocks(torch.nn.Module):
             entries = torch.nn.ModuleList(layers[i] if i in run else self._slot(i) for i in range(self.num_blocks))
             self._entries[run] = entries
         batch, tokens, _ = hidden.shape
+        boundary = self.boundary
+        hidden, parts = boundary.split(hidden)
         plan = Plan(enter=entries[run.start], hidden=hidden, leave=entries[run.end - 1])
-        return self.frame.call(
+        for stream, part in zip(boundary.streams, parts):
+            # a carried stream enters at the span's first layer; at block 0 the family's own (none) is right
+            for i in ([run.start] if run.start > 0 else []) if stream.carried else run:
+                plan.args.setdefault(id(entries[i]), {})[stream.arg] = boundary.layer_args(stream, part, i)
+        out = self.frame.call(
             plan, entries=entries, decoder=True,
             inputs_embeds=torch.zeros(batch, tokens, self.embed_dim, dtype=self.dtype, device=self.device),
             attention_mask=None if attention_mask is None else attention_mask.long(), position_ids=position_ids,
-            cache=kv, use_cache=kv is not None)
+            cache=kv, use_cache=kv is not None,
+            **boundary.forward_kwargs(batch, tokens, self.dtype, self.device))
+        if not boundary.streams:
+            return out
+        parts = [plan.output[1] if stream.carried else part for stream, part in zip(boundary.streams, parts)]
+        return boundary.join(out, parts)
 
     def _slot(self, i: int) -> LayerSlot:
         entry = self._slots[i]

@@ -32,6 +32,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
 from swarm.model import families
+from swarm.model.streams import Boundary, Stream, streams_of
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ModelLayout:
     embed_dim: int  # width of the token embeddings (before any projection into the layers)
     head_modules: frozenset[str]  # modules the client's head calls: embedding, final norm, LM head, ...
     peer_modules: frozenset[str]  # modules a span's forward calls outside its layers (rotary, ...)
+    streams: tuple[Stream, ...] = ()  # what the layers take per token besides the hidden states (`swarm.model.streams`)
 
     def block_prefix(self, block: int) -> str:
         return f"{self.layers_path}.{block}."
@@ -145,6 +147,12 @@ class Checkpoint:
     def hidden_size(self) -> int:
         return int(self.text_config.hidden_size)
 
+    @property
+    def boundary(self) -> Boundary:
+        """What a span takes and returns per token (the hidden states, then the family's other streams): its
+        `width` is what the wire carries as hidden states."""
+        return Boundary(self.hidden_size, self.layout.streams)
+
     def _index_tensors(self) -> dict[str, Path]:
         """Map every tensor name to the safetensors file that holds it (single file or sharded)."""
         index = self.path / "model.safetensors.index.json"
@@ -213,14 +221,16 @@ class Checkpoint:
             hint = " (its config sets is_decoder=false)" if getattr(self.text_config, "is_decoder", None) is False else ""
             raise UnsupportedModel(f"model type {self.model_type!r}: its attention is bidirectional{hint}, so a "
                                    "prefix cannot be computed before the tokens after it")
-        takes = inspect.signature(shadows[0].forward).parameters
-        if "per_layer_input" in takes and getattr(self.text_config, "hidden_size_per_layer_input", 1):
-            raise UnsupportedModel(f"model type {self.model_type!r}: its layers take per-layer inputs computed from "
-                                   "the tokens, which the wire does not carry yet")
+        shared_kv = int(getattr(self.text_config, "num_kv_shared_layers", 0) or 0)
+        if shared_kv:
+            raise UnsupportedModel(f"model type {self.model_type!r}: its last {shared_kv} layers attend with the keys "
+                                   "and values earlier layers computed in the same forward (num_kv_shared_layers), "
+                                   "which a span boundary cuts; checkpoints with num_kv_shared_layers=0 can be served")
         embeddings = skel.get_input_embeddings()
         if not isinstance(embeddings, torch.nn.Embedding):
             raise UnsupportedModel(f"model type {self.model_type!r}: its input embeddings are "
                                    f"{type(embeddings).__name__}, not a token embedding table")
+        streams = streams_of(self.text_config, shadows, embeddings.embedding_dim)
         try:
             self._key_rules = self._rules_of(skel)
         except Exception as exc:  # transformers' key mapping cannot be built for this class
@@ -230,7 +240,8 @@ class Checkpoint:
             from swarm.span import Span
 
             probe = frames.probe(skel, path, shadows, embeddings.embedding_dim, self.hidden_size,
-                                 span_cache=lambda: self._session_cache(Span(0, n)).kv)
+                                 span_cache=lambda: self._session_cache(Span(0, n)).kv,
+                                 extra=Boundary(self.hidden_size, streams).forward_kwargs(1, 2, torch.float32, "cpu"))
         except UnsupportedModel as exc:
             raise UnsupportedModel(f"model type {self.model_type!r}: {exc}") from exc
         except Exception as exc:  # any failure of the family's own code around empty slots
@@ -238,7 +249,8 @@ class Checkpoint:
                                    f"layers ({type(exc).__name__}: {str(exc)[:200]})") from exc
         return ModelLayout(layers_path=path, layer_types=layer_types(self.text_config),
                            returns=probe.returns, embed_dim=embeddings.embedding_dim,
-                           head_modules=frozenset(probe.head_modules), peer_modules=frozenset(probe.peer_modules))
+                           head_modules=frozenset(probe.head_modules), peer_modules=frozenset(probe.peer_modules),
+                           streams=streams)
 
     @property
     def recurrent(self) -> bool:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarm.model.streams import arg_of, with_arg
+
 ENTRY_KEYS = ("hidden_states", "hidden_state", "x", "hidden")
 
 
@@ -49,6 +51,12 @@ class Plan:
     leave: object = None  # the module after whose forward the call stops with its output
     capture: object = None  # a slot that stops the call with the hidden states it receives
     seen: list = field(default_factory=list)  # for probes: what slots received
+    # A family's other per-token streams (`swarm.model.streams`): arguments given to real layers, by id of the
+    # layer; arguments each slot reads off its call (`record`, into `recorded`); the leave layer's whole output.
+    args: dict = field(default_factory=dict)
+    record: tuple = ()
+    recorded: list = field(default_factory=list)
+    output: object = None
 
 
 def hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -96,6 +104,9 @@ class LayerSlot(torch.nn.Module):
         hidden = hidden_of(args, kwargs)
         if plan is not None:
             plan.seen.append(hidden)
+            if plan.record:
+                shadow = object.__getattribute__(self, "_shadow")
+                plan.recorded.append({name: arg_of(shadow, args, kwargs, name) for name in plan.record})
             if plan.capture is self:
                 raise _Leave(hidden)
             if plan.enter is self:
@@ -192,14 +203,19 @@ _CURRENT = _Current()  # the running plan, for hooks on real layers (which may b
 
 def _enter_hook(module, args, kwargs):
     plan = _CURRENT.plan
-    if plan is not None and plan.enter is module:
-        return with_hidden(args, kwargs, plan.hidden)
-    return None
+    if plan is None or (plan.enter is not module and id(module) not in plan.args):
+        return None
+    if plan.enter is module:
+        args, kwargs = with_hidden(args, kwargs, plan.hidden)
+    for name, value in plan.args.get(id(module), {}).items():
+        args, kwargs = with_arg(module, args, kwargs, name, value)
+    return args, kwargs
 
 
 def _leave_hook(module, args, kwargs, output):
     plan = _CURRENT.plan
     if plan is not None and plan.leave is module:
+        plan.output = output
         raise _Leave(unwrap(output))
     return None
 
@@ -248,11 +264,13 @@ class Probe:
 
 
 def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Module], embed_dim: int,
-          hidden_size: int, span_cache=None) -> Probe:
+          hidden_size: int, span_cache=None, extra: dict | None = None) -> Probe:
     """Run the family's forward on `skeleton` (emptied of its layers, its vocabulary tables constant, its
     other weights random) the three ways a swarm does: to the embeddings the first layer gets, from outside
     hidden states at a peer, and from hidden states to logits. Returns the loop's output convention and which modules
-    the head's and a peer's calls use (so only their tensors are loaded)."""
+    the head's and a peer's calls use (so only their tensors are loaded). `extra`: the forward's arguments for a
+    family's other streams (`swarm.model.streams.Boundary.forward_kwargs`)."""
+    extra = extra or {}
     slots = [LayerSlot(i, shadow) for i, shadow in enumerate(shadows)]
     frame = Frame(skeleton, layers_path, slots)
     skeleton.to_empty(device="cpu")
@@ -288,12 +306,19 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
             handle.remove()
         return seen
 
-    embed = called(lambda: frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids,
-                                      use_cache=False))
+    first = []
+    embed = called(lambda: first.append(frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids,
+                                                   use_cache=False)))
+    if not isinstance(first[0], torch.Tensor) or first[0].ndim != 3:
+        from swarm.errors import UnsupportedModel
+
+        shape = list(first[0].shape) if isinstance(first[0], torch.Tensor) else type(first[0]).__name__
+        raise UnsupportedModel(f"its layers take hidden states of shape {shape} for 2 tokens, not [batch, tokens, "
+                               "hidden] (several streams of hidden states), which the wire does not carry")
     # A span's call, with the cache a session would have: a family that wants a cache of its own is found here.
     peer = called(lambda: frame.call(Plan(capture=slots[0]), decoder=True, inputs_embeds=torch.zeros(1, 2, embed_dim),
                                      position_ids=position_ids, cache=span_cache() if span_cache else None,
-                                     use_cache=span_cache is not None))
+                                     use_cache=span_cache is not None, **extra))
     # The loop's convention for a layer's output: a tensor, a 1-tuple, or (hidden states, attention
     # weights). The first under which the next slot gets hidden states of the right shape is the family's.
     for convention in ("tensor", "tuple", "pair"):
@@ -301,7 +326,8 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
         plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size),
                     capture=slots[1] if len(slots) > 1 else None)
         try:
-            frame.call(plan, inputs_embeds=torch.zeros(1, 2, embed_dim), position_ids=position_ids, use_cache=False)
+            frame.call(plan, inputs_embeds=torch.zeros(1, 2, embed_dim), position_ids=position_ids, use_cache=False,
+                       **extra)
         except Exception:  # noqa: BLE001 - not this convention
             if convention == "pair":
                 raise
@@ -311,7 +337,8 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
     tail_plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size))
     out = {}
     tail = called(lambda: out.update(logits=_logits(frame.call(tail_plan, inputs_embeds=torch.zeros(1, 2, embed_dim),
-                                                                position_ids=position_ids, use_cache=False))))
+                                                                position_ids=position_ids, use_cache=False,
+                                                                **extra))))
     if out["logits"] is None or out["logits"].shape[:2] != (1, 2):
         raise TypeError(f"the forward gave no logits for 2 positions (got {out['logits']!r:.80})")
     if len(tail_plan.seen) != len(slots):

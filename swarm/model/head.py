@@ -37,7 +37,8 @@ class ModelHead(torch.nn.Module):
             raise CheckpointError(f"{ckpt.path}: the checkpoint has no token embeddings")
         self.slot = frame.entries[0]
         self.kv_class = cache_class(ckpt.model_type)
-        self.hidden_size = ckpt.hidden_size
+        self.boundary = ckpt.boundary  # what the first span takes and the last returns (`swarm.model.streams`)
+        self.hidden_size = self.boundary.width
         self.requires_grad_(False)
         self.eval()
         logger.info("loaded head of %s (%.1fM parameters)", ckpt.model_type, self.num_parameters() / 1e6)
@@ -61,9 +62,26 @@ class ModelHead(torch.nn.Module):
             raise BadRequest(f"token ids must lie in [0, {self.vocab_size})")
         batch, tokens = input_ids.shape
         position_ids = position_ids_for(batch, tokens, position, attention_mask, self.device)
-        return self.frame.call(Plan(capture=self.slot), input_ids=input_ids.to(self.device), position_ids=position_ids,
-                               cache=length_cache(batch, position, self.num_blocks, self.device, self.kv_class),
-                               use_cache=True)
+        streams = self.boundary.streams
+        inputs = [s for s in streams if not s.carried]
+        # Per-layer inputs are read off every slot's call, so the call stops at the last slot, not the first.
+        plan = Plan(capture=self.frame.entries[-1] if any(s.per_layer for s in inputs) else self.slot,
+                    record=tuple(s.arg for s in inputs))
+        hidden = self.frame.call(plan, input_ids=input_ids.to(self.device), position_ids=position_ids,
+                                 cache=length_cache(batch, position, self.num_blocks, self.device, self.kv_class),
+                                 use_cache=True)
+        if not streams:
+            return hidden
+        hidden = plan.seen[0]  # what the first layer takes (slots pass it on unchanged)
+        parts = []
+        for stream in streams:
+            if stream.carried:  # no layer has run: the first span's first layer starts it
+                parts.append(hidden.new_zeros(*hidden.shape[:-1], stream.width))
+            elif stream.per_layer:
+                parts.append(torch.cat([seen[stream.arg] for seen in plan.recorded], dim=-1))
+            else:
+                parts.append(plan.recorded[0][stream.arg])
+        return self.boundary.join(hidden, parts)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -72,12 +90,15 @@ class ModelHead(torch.nn.Module):
         if hidden.ndim != 3:  # e.g. the last position of each sequence, [batch, hidden]
             lead = hidden.shape[:-1]
             return self.logits(hidden.reshape(1, -1, hidden.shape[-1])).reshape(*lead, -1)
-        hidden = hidden.to(self.device, self.dtype)
+        if hidden.shape[-1] != self.boundary.width:
+            raise BadRequest(f"hidden states must be [..., {self.boundary.width}], got {tuple(hidden.shape)}")
+        hidden = self.boundary.split(hidden.to(self.device, self.dtype))[0]  # the final norm takes the hidden part
         batch, tokens, _ = hidden.shape
         out = self.frame.call(Plan(enter=self.slot, hidden=hidden),
                               inputs_embeds=torch.zeros(batch, tokens, self.layout.embed_dim, dtype=self.dtype,
                                                         device=self.device),
-                              position_ids=position_ids_for(batch, tokens, 0, None, self.device))
+                              position_ids=position_ids_for(batch, tokens, 0, None, self.device),
+                              **self.boundary.forward_kwargs(batch, tokens, self.dtype, self.device))
         return out.logits
 
     @torch.inference_mode()

@@ -39,20 +39,19 @@ def test_served_exactly_or_refused_with_a_reason(model_type, tmp_path):
         assert "model type" in outcome.detail, f"the refusal of {model_type} does not name it: {outcome.detail}"
 
 
-def test_per_layer_inputs_are_refused_before_any_weight_loads(tmp_path):
-    """Gemma 4's smaller checkpoints feed every layer an input computed from the tokens; the wire does not
-    carry it, so such a checkpoint is refused by its config alone (no weights are present here)."""
-    from family_harness import tiny_config
+def test_per_layer_inputs_are_exact(tmp_path):
+    """Gemma 4's smaller checkpoints feed every layer an input computed from the tokens: the client's head computes
+    them and they cross every span boundary after the hidden states (`swarm.model.streams`), exactly."""
+    from client.inference.local_chain import LocalChain
+    from family_harness import _compare
 
-    from swarm.model.checkpoint import Checkpoint
-    from swarm.errors import UnsupportedModel
+    from swarm.span import split_evenly
 
-    config = tiny_config("gemma4_text")
-    config.hidden_size_per_layer_input = 16
-    config.vocab_size_per_layer_input = 256
-    config.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModel, match="gemma4_text.*per-layer inputs"):
-        Checkpoint(tmp_path)
+    path = build("gemma4_text", tmp_path, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256)
+    ckpt = Checkpoint(path)
+    assert [s.arg for s in ckpt.boundary.streams] == ["per_layer_input"]
+    outcome = _compare(ckpt, path, LocalChain, split_evenly)
+    assert outcome.result == "exact", outcome
 
 
 def tied_by_default() -> list[str]:
