@@ -11,7 +11,8 @@ Invariants:
 - The cache length always equals the session's position. A step runs between `begin` (room made for its
   tokens) and `advance` (its tokens counted) or `abort` (every layer back to the length before it).
 - Recurrent layers keep their state plus copies of it at the ends of the last `SNAPSHOTS` steps: a
-  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a fork.
+  rollback to one of those positions (or to 0) is exact, any other is a `BadRequest`. So is a fork. States a
+  family keeps in its modules (`held`) are kept here too, as `swarm.model.recurrent.HeldStates`.
 - A fork's recurrent states share no tensor with its source's: either may step or roll back without
   changing the other. Its attention blocks are shared until one of them writes there (copy on write).
 """
@@ -27,6 +28,7 @@ from transformers.cache_utils import (CacheLayerMixin, DummyLayer, LinearAttenti
 
 from swarm.errors import BadRequest
 from swarm.model.kv import Part, Pool, Rows
+from swarm.model.recurrent import HeldStates
 from swarm.span import Span
 
 ATTENTION, RECURRENT, HYBRID, DUMMY = "attention", "recurrent", "hybrid", "dummy"
@@ -150,7 +152,8 @@ class SpanCache:
 
     def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
                  kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None,
-                 pool: Pool | None = None, rows: Rows | None = None):
+                 pool: Pool | None = None, rows: Rows | None = None, held: Sequence[int] = ()):
+        """`held`: the layers whose family keeps their state in its modules (`SpanBlocks` loads it from here)."""
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
@@ -163,7 +166,9 @@ class SpanCache:
         own = {i: self._layer(i) for i in span}
         self.kv = span_kv(span, n, own, self.kinds, self.clock)
         self.attention = [own[i] for i in span if isinstance(own[i], LengthLayer)]  # every entry with a length
-        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer)]
+        self.held = {i: HeldStates() for i in span if i in held}
+        self.stateful = [self.held.get(i, own[i]) for i in span
+                         if i in self.held or isinstance(own[i], LinearAttentionLayer)]
         self.snapshots: dict[int, list[dict]] = {}
 
     def _layer(self, i: int):
@@ -197,12 +202,13 @@ class SpanCache:
         if self.rows is not None and any(isinstance(layer, AttentionLayer) for layer in self.attention):
             self.rows.prepare(self.length, self.length + tokens)
 
-    def advance(self, tokens: int) -> None:
-        """Record that a step of `tokens` tokens ran (after it succeeded)."""
+    def advance(self, tokens: int, step_end: bool = True) -> None:
+        """Record that a step of `tokens` tokens ran (after it succeeded); not `step_end`: a part of a step run in
+        several forwards, whose states are not kept for rollback."""
         self.clock.length += tokens
         for layer in self.attention:
             layer.length = self.clock.length
-        if self.stateful:
+        if self.stateful and step_end:
             self.snapshots[self.length] = [_state_of(layer) for layer in self.stateful]
             for old in sorted(self.snapshots)[:-SNAPSHOTS]:
                 del self.snapshots[old]
@@ -248,7 +254,7 @@ class SpanCache:
         max_length = max_length or self.max_length
         rows = self.rows.fork(length, max_length, credits) if self.rows is not None else None
         new = SpanCache(self.span, self.batch_size, max_length, len(self.kinds), self.kinds, self.state_counts,
-                        self.pool, rows)
+                        self.pool, rows, tuple(self.held))
         if length:  # at 0 the new cache's states are fresh, as a rollback to 0 resets them
             new.clock.length = length
             for layer in new.attention:
@@ -280,7 +286,7 @@ def _clone(state: dict) -> dict:
 
 
 def _state_of(layer) -> dict:
-    return _clone({field: getattr(layer, field) for field in STATE_FIELDS})
+    return _clone({field: getattr(layer, field) for field in getattr(layer, "STATE_FIELDS", STATE_FIELDS)})
 
 
 def _restore(layer, state: dict) -> None:

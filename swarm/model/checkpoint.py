@@ -32,6 +32,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
 from swarm.model import families
+from swarm.model.recurrent import check_decode_matches_scan
 
 logger = logging.getLogger(__name__)
 
@@ -423,6 +424,7 @@ def check_supported(config: PretrainedConfig) -> None:
     if unknown:
         raise UnsupportedModel(f"model type {kind!r} uses layer kinds {unknown} that blocks cannot run yet; "
                                f"only {LAYER_KINDS} ({supported})")
+    check_decode_matches_scan(config)
     if kind in families.INEXACT:
         raise UnsupportedModel(f"model type {kind!r} is not computed exactly in spans: {families.INEXACT[kind]} "
                                f"({supported})")
