@@ -14,10 +14,14 @@ Invariants:
   the distance between the query (last) and every real key, so sliding windows stay right. Each
   session's cache then gets only its own new key and value: it ends exactly as a step of its own
   would have left it. A failed batch leaves every session cache untouched.
+- A step of several tokens after a recurrent state exists runs one token at a time where a layer's family cannot
+  continue its state over several tokens (`one_token`, found at load: `swarm.model.recurrent`); otherwise in one
+  forward. States a family keeps in its modules are the stepping session's during its step (`swarm.model.recurrent`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -39,6 +43,7 @@ from swarm.model.ragged import (NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer,
                                 configs_of, ragged)
 from swarm.model.kv import KVLayout, Pool, Rows
 from swarm.model.frame import LayerSlot, Plan, build, position_ids_for
+from swarm.model.recurrent import HELD_LOCK, held_slots, load_held, one_token_continuations, save_held
 from swarm.span import Span
 
 logger = logging.getLogger(__name__)
@@ -95,7 +100,10 @@ class SpanBlocks(torch.nn.Module):
         self.state_counts = [kw.get("number_of_states", 1) for kw in per_layer]
         self.layer_kwargs = list(per_layer)
         self.kv_class = cache_class(ckpt.model_type)
-        self.recurrent = any(kind_cache(kinds[i]) in (RECURRENT, HYBRID, COMPRESSED) for i in span)
+        with HELD_LOCK:  # module-held states of these layers: found, and left empty (swarm.model.recurrent)
+            self.held = held_slots({i: layers[i] for i in span}, self.device, self.dtype)
+        stateful = [i for i in span if i in self.held or kind_cache(kinds[i]) in (RECURRENT, HYBRID, COMPRESSED)]
+        self.recurrent = bool(stateful)
         self._layout: KVLayout | None = None
         self._pool: Pool | None = None
         self._pool_tokens = DEFAULT_POOL_TOKENS
@@ -109,6 +117,13 @@ class SpanBlocks(torch.nn.Module):
         self._slots = list(self.frame.entries)
         self.requires_grad_(False)
         self.eval()
+        with self._held_states(), torch.inference_mode():
+            # the stateful layers whose family cannot continue a state over several tokens at once
+            self.one_token = one_token_continuations(dict(zip(span, self.layers)), self.cache_kinds, stateful,
+                                                     self.held, self.state_counts, self.hidden_size, self._probe_run)
+        if self.one_token:
+            logger.info("blocks %s of %s: steps of several tokens after the first run one token at a time (layers %s "
+                        "ignore part of their state over several tokens)", span, ckpt.model_type, sorted(self.one_token))
         logger.info("loaded blocks %s of %s (%s, %.1f MB of weights%s) in %.1f s", span, ckpt.model_type,
                     self.precision.format, self.weight_bytes() / 1e6,
                     f"; {len(shared)} blocks shared with {reuse.span}" if shared else "", time.monotonic() - started)
@@ -156,7 +171,8 @@ class SpanBlocks(torch.nn.Module):
         kv = span_kv(self.span, self.num_blocks, layers, self.cache_kinds, kv_class=self.kv_class)
         hidden = torch.randn(1, 1, self.hidden_size, generator=torch.Generator().manual_seed(0)).to(self.device,
                                                                                                     self.dtype)
-        self._run(self.span, hidden, kv, position_ids_for(1, 1, 0, None, self.device), None)
+        with self._held_states():
+            self._run(self.span, hidden, kv, position_ids_for(1, 1, 0, None, self.device), None)
         stored = {i: layer for i, layer in layers.items() if isinstance(layer, DynamicLayer) and layer.is_initialized
                   and layer.keys is not None and layer.keys.numel()}
         indexers = {i: layer.indexer_keys for i, layer in layers.items() if isinstance(layer, DynamicIndexedLayer)
@@ -192,7 +208,7 @@ class SpanBlocks(torch.nn.Module):
         count them) or in new rows of the blocks' own pool."""
         return SpanCache(span or self.span, batch_size, max_length, self.num_blocks, self.cache_kinds,
                          self.state_counts, rows.pool if rows is not None else self.pool, rows, self.layer_kwargs,
-                         self.kv_class)
+                         self.kv_class, tuple(self.held))
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: SpanCache | None = None, position: int = 0,
@@ -212,13 +228,14 @@ class SpanBlocks(torch.nn.Module):
         batch, new_tokens, _ = hidden.shape
         if cache is not None:
             cache.rollback(position)
+            if position and new_tokens > 1 and cache.stateful and any(i in self.one_token for i in run):
+                return self._token_by_token(run, hidden, cache, position, attention_mask)
             cache.begin(new_tokens)
-        kv = cache.kv if cache is not None else None
         position_ids = self._position_ids(batch, new_tokens, position, attention_mask)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device, torch.bool)
         try:
-            out = self._run(run, hidden, kv, position_ids, attention_mask)
+            out = self._step(run, hidden, cache, position_ids, attention_mask)
         except BaseException:
             if cache is not None:
                 cache.abort()
@@ -283,6 +300,50 @@ class SpanBlocks(torch.nn.Module):
             cache.advance(1)
             results[i] = part
         return results
+
+    def _token_by_token(self, run: Span, hidden: torch.Tensor, cache: SpanCache, position: int,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+        """A step of several tokens on a recurrent state, one token at a time (as transformers generates); only its
+        end is kept for rollback. A failure midway returns the cache to `position`."""
+        batch, tokens, _ = hidden.shape
+        cache.begin(tokens)
+        outs = []
+        try:
+            for t in range(tokens):
+                own = None if mask is None else mask[:, :position + t + 1]
+                ids = self._position_ids(batch, 1, position + t, own)
+                outs.append(self._step(run, hidden[:, t:t + 1], cache, ids,
+                                       None if own is None else own.to(self.device, torch.bool)))
+                cache.advance(1, step_end=t == tokens - 1)
+        except BaseException:
+            cache.abort()
+            if cache.length > position and position in cache.snapshots:
+                cache.rollback(position)
+            raise
+        return torch.cat(outs, dim=1)
+
+    def _held_states(self):
+        """Held while states kept in these layers' modules are used (layers may be shared with other blocks)."""
+        return HELD_LOCK if self.held else contextlib.nullcontext()
+
+    def _step(self, run: Span, hidden: torch.Tensor, cache: SpanCache | None, position_ids: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """`_run` on a session's cache: states its family keeps in modules are the session's meanwhile."""
+        kv = cache.kv if cache is not None else None
+        with self._held_states():
+            if cache is not None:
+                load_held(self.held, cache.held)
+            try:
+                return self._run(run, hidden, kv, position_ids, mask)
+            finally:
+                if cache is not None:
+                    save_held(self.held, cache.held)
+
+    def _probe_run(self, run: Span, hidden: torch.Tensor, layers: dict, position: int) -> torch.Tensor:
+        """`run` over `hidden` [1, tokens, hidden] at `position`, on transformers' own cache `layers`."""
+        kv = span_kv(run, self.num_blocks, layers, self.cache_kinds, LengthLayer(position))
+        return self._run(run, hidden.to(self.device, self.dtype), kv,
+                         position_ids_for(1, hidden.shape[1], position, None, self.device), None)
 
     def _alone(self, hidden: torch.Tensor, cache: SpanCache, mask: torch.Tensor | None):
         """One step of a batch run by itself: its output, or its error (the batch's other steps go on)."""

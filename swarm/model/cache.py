@@ -15,7 +15,8 @@ Invariants:
   tokens) and `advance` (its tokens counted) or `abort` (every layer back to the length before it).
 - Recurrent layers, and compressed-attention layers' compressors (`swarm.model.compressed`), keep their state
   plus copies of it at the ends of the last `SNAPSHOTS` steps: a rollback to one of those positions (or to 0)
-  is exact, any other is a `BadRequest`. So is a fork. A failed step puts the copy of the last end back.
+  is exact, any other is a `BadRequest`. So is a fork. A failed step puts the copy of the last end back. States a
+  family keeps in its modules (`held`) are kept here too, as `swarm.model.recurrent.HeldStates`.
 - A fork's recurrent states share no tensor with its source's: either may step or roll back without
   changing the other. Its attention blocks are shared until one of them writes there (copy on write).
 """
@@ -31,6 +32,7 @@ from transformers.cache_utils import (CacheLayerMixin, DummyLayer, LinearAttenti
 
 from swarm.errors import BadRequest
 from swarm.model.kv import Part, Pool, Rows
+from swarm.model.recurrent import HeldStates
 from swarm.span import Span
 
 ATTENTION, INDEXED, RECURRENT, HYBRID, DUMMY = "attention", "indexed", "recurrent", "hybrid", "dummy"
@@ -216,10 +218,11 @@ class SpanCache:
     def __init__(self, span: Span, batch_size: int, max_length: int, num_blocks: int | None = None,
                  kinds: Sequence[str] | None = None, state_counts: Sequence[int] | None = None,
                  pool: Pool | None = None, rows: Rows | None = None, layer_kwargs: Sequence[dict] | None = None,
-                 kv_class: type | None = None):
+                 kv_class: type | None = None, held: Sequence[int] = ()):
         """`layer_kwargs`: transformers' per-layer cache arguments (`get_layer_types_and_kwargs`: the config of
         compressed kinds); `kv_class`: the class of the per-block cache the family's forward takes
-        (`swarm.model.family_cache`)."""
+        (`swarm.model.family_cache`); `held`: the layers whose family keeps their state in its modules
+        (`SpanBlocks` loads it from here)."""
         self.span = span
         self.batch_size = batch_size
         self.max_length = max_length
@@ -234,7 +237,9 @@ class SpanCache:
         own = {i: self._layer(i) for i in span}
         self.kv = span_kv(span, n, own, self.kinds, self.clock, kv_class)
         self.attention = [own[i] for i in span if isinstance(own[i], LengthLayer)]  # every entry with a length
-        self.stateful = [own[i] for i in span if isinstance(own[i], LinearAttentionLayer) or hasattr(own[i], "snapshot")]
+        self.held = {i: HeldStates() for i in span if i in held}
+        self.stateful = [self.held.get(i, own[i]) for i in span if i in self.held
+                         or isinstance(own[i], LinearAttentionLayer) or hasattr(own[i], "snapshot")]
         self.snapshots: dict[int, list[dict]] = {}
 
     def _layer(self, i: int):
@@ -288,12 +293,13 @@ class SpanCache:
         if self.rows is not None and any(isinstance(layer, AttentionLayer) for layer in self.attention):
             self.rows.prepare(self.length, self.length + tokens)
 
-    def advance(self, tokens: int) -> None:
-        """Record that a step of `tokens` tokens ran (after it succeeded)."""
+    def advance(self, tokens: int, step_end: bool = True) -> None:
+        """Record that a step of `tokens` tokens ran (after it succeeded); not `step_end`: a part of a step run in
+        several forwards, whose states are not kept for rollback."""
         self.clock.length += tokens
         for layer in self.attention:
             layer.length = self.clock.length
-        if self.stateful:
+        if self.stateful and step_end:
             self.snapshots[self.length] = [_state_of(layer) for layer in self.stateful]
             for old in sorted(self.snapshots)[:-SNAPSHOTS]:
                 del self.snapshots[old]
@@ -344,7 +350,7 @@ class SpanCache:
         max_length = max_length or self.max_length
         rows = self.rows.fork(length, max_length, credits) if self.rows is not None else None
         new = SpanCache(self.span, self.batch_size, max_length, len(self.kinds), self.kinds, self.state_counts,
-                        self.pool, rows, self.layer_kwargs, self.kv_class)
+                        self.pool, rows, self.layer_kwargs, self.kv_class, tuple(self.held))
         for mine, theirs in zip(new.kv.layers + [new.clock], self.kv.layers + [self.clock]):
             if isinstance(theirs, LengthLayer) and theirs._positions is not None and length:
                 mine.indexer_position_ids = theirs._positions[..., :length].clone()
@@ -382,7 +388,7 @@ def _live(layer) -> dict:
     """A stateful layer's state as it is (references): its own `state()`, or transformers' recurrent fields."""
     if hasattr(layer, "state"):
         return layer.state()
-    return {field: getattr(layer, field) for field in STATE_FIELDS}
+    return {field: getattr(layer, field) for field in getattr(layer, "STATE_FIELDS", STATE_FIELDS)}
 
 
 def _tensors(state: dict) -> list:

@@ -358,7 +358,8 @@ class TensorRows(Rows):
         new.credits = credits
         if length:
             new.prepare(0, length)
-            new.data[:, :length] = self.data[:, :length]
+            if self.data is not None:  # none: a span that keeps no keys or values (recurrent layers only)
+                new.data[:, :length] = self.data[:, :length]
         return new
 
     def nbytes(self) -> int:
