@@ -341,7 +341,7 @@ class SpanBlocks(torch.nn.Module):
 
     def _probe_run(self, run: Span, hidden: torch.Tensor, layers: dict, position: int) -> torch.Tensor:
         """`run` over `hidden` [1, tokens, hidden] at `position`, on transformers' own cache `layers`."""
-        kv = span_kv(run, self.num_blocks, layers, self.cache_kinds, LengthLayer(position))
+        kv = span_kv(run, self.num_blocks, layers, self.cache_kinds, LengthLayer(position), self.kv_class)
         return self._run(run, hidden.to(self.device, self.dtype), kv,
                          position_ids_for(1, hidden.shape[1], position, None, self.device), None)
 
@@ -368,7 +368,7 @@ class SpanBlocks(torch.nn.Module):
         first = items[0][0].kv.layers
         layers = {i: RaggedLayer(batch, i, longest) if isinstance(first[i], AttentionLayer) else
                   LengthLayer(longest) if isinstance(first[i], LengthLayer) else DummyLayer() for i in run}
-        kv = span_kv(run, self.num_blocks, layers, self.cache_kinds, LengthLayer(longest))
+        kv = span_kv(run, self.num_blocks, layers, self.cache_kinds, LengthLayer(longest), self.kv_class)
         with ragged(self._configs, batch):
             try:
                 out = self._run(run, hidden, kv, torch.cat(position_ids), mask)

@@ -32,7 +32,6 @@ from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
 from swarm.model import families
-from swarm.model.recurrent import check_decode_matches_scan
 from swarm.model.streams import Boundary, Stream, streams_of
 
 logger = logging.getLogger(__name__)
@@ -445,7 +444,6 @@ def check_supported(config: PretrainedConfig) -> None:
     missing = _span_inputs_missing(text)
     if missing:
         raise UnsupportedModel(f"model type {kind!r}: {missing} ({supported})")
-    check_decode_matches_scan(config)
     if kind in families.INEXACT:
         raise UnsupportedModel(f"model type {kind!r} is not computed exactly in spans: {families.INEXACT[kind]} "
                                f"({supported})")

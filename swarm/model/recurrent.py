@@ -12,8 +12,6 @@ Invariants:
 - States a family keeps in module attributes (RecurrentGemma: what its `_setup_cache` sets) belong to the
   session, not the modules: `HeldStates` keeps a session's copy, loaded into the modules before each step and read
   back after it (under one lock per blocks), and snapshotted, restored and forked like transformers' own states.
-- Refused before any weights load (`check_decode_matches_scan`): configs whose one-token step computes differently
-  from the family's multi-token scan in transformers itself, which no cache can change.
 """
 
 from __future__ import annotations
@@ -25,38 +23,10 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers.cache_utils import LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
-from swarm.errors import UnsupportedModel
 from swarm.span import Span
 
 # Held while states kept in modules are used: layers (and their modules) may be shared by several blocks.
 HELD_LOCK = threading.RLock()
-
-# Families whose Mamba-2 mixer takes (config.time_step_min, inf) as its dt limit; the others take config.time_step_limit.
-DT_LIMIT_FROM_MIN = ("nemotron_h", "zamba2")
-
-
-def check_decode_matches_scan(config) -> None:
-    """`UnsupportedModel` where transformers' own one-token step differs from its multi-token scan: its Mamba-2
-    mixers clamp dt to their `time_step_limit` in the scan (`mamba2_chunk_scan(dt_limit=...)`), but their one-token
-    update (`mamba2_selective_state_update`) takes no limit, so a limit that clamps (lower bound above 0, upper below
-    infinity; softplus(dt) is always above 0) makes every decoding step differ from the forward over the whole
-    sequence."""
-    text = config.get_text_config(decoder=True)
-    kind = text.model_type
-    if kind in DT_LIMIT_FROM_MIN:
-        low = getattr(text, "time_step_min", None)
-        limit = None if low is None else (low, math.inf)
-    else:
-        limit = getattr(text, "time_step_limit", None)
-    if limit is None or len(limit) != 2:
-        return
-    low, high = float(limit[0]), float(limit[1])
-    if low > 0 or high < math.inf:
-        field = "time_step_min" if kind in DT_LIMIT_FROM_MIN else "time_step_limit"
-        raise UnsupportedModel(
-            f"model type {kind!r} with dt limit ({low}, {high}) (from {field}): transformers' Mamba-2 mixer clamps dt to "
-            f"it over several tokens but not in its one-token decoding step, so its own decoding differs from its "
-            f"forward over the whole sequence; only a limit of (0, inf) is computed exactly")
 
 
 class HeldStates:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.errors import BadRequest, UnsupportedModel
-from swarm.model.checkpoint import Checkpoint
+from swarm.errors import BadRequest
 from swarm.span import Span
 
 pytestmark = pytest.mark.models
@@ -113,16 +112,3 @@ def test_a_fork_or_rollback_between_kept_step_ends_names_where_it_can_return(mod
     with pytest.raises(BadRequest, match=r"ends of the last \d+ steps \(\[5, 8, 9, 10\]\), not to 7; replay from 0"):
         session.step(tokens(1, 8), 7)
     assert session.position == 10 and cache.fork(0).length == 0
-
-
-def test_a_mamba2_dt_limit_that_clamps_is_refused_before_any_weight(tmp_path):
-    from family_harness import tiny_config
-
-    config = tiny_config("nemotron_h")  # transformers takes (time_step_min, inf) as its mixers' dt limit
-    assert config.time_step_min > 0
-    config.save_pretrained(tmp_path)  # a config alone: no weights to load
-    with pytest.raises(UnsupportedModel, match="clamps dt to it over several tokens but not in its one-token"):
-        Checkpoint(tmp_path)
-    tiny_config("mamba2", time_step_limit=(0.0, 2.0)).save_pretrained(tmp_path / "limited")
-    with pytest.raises(UnsupportedModel, match=r"dt limit \(0.0, 2.0\)"):
-        Checkpoint(tmp_path / "limited")
