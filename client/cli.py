@@ -261,6 +261,7 @@ def run_status(args: argparse.Namespace) -> int:
     from client.inference.survey import survey
     from client.loop import LoopThread
     from swarm.model.checkpoint import Checkpoint
+    from swarm.span import span_starts
 
     def peer_json(p) -> dict:
         return {"peer": p.peer, "start": p.span.start, "end": p.span.end, "state": p.state, "throughput": p.throughput,
@@ -291,7 +292,7 @@ def run_status(args: argparse.Namespace) -> int:
             print(f"{m.model:<40} {f'{m.covered}/{m.num_blocks}':>14} {f'{m.online}/{len(m.peers)}':>12}  "
                   + (", ".join(map(str, m.uncovered)) if m.uncovered else "none"))
         return 0
-    digest = None
+    digest = starts = None
     if args.num_blocks is not None:
         if not config.model_id:
             raise ConfigError("--num-blocks needs --model-id")
@@ -299,8 +300,9 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         weights = client_weights(args)
         model_id, digest = weights.name, weights.digest
-        num_blocks = Checkpoint(weights.directory, source=weights.source).num_blocks
-    connection = SwarmConnection(model_id, num_blocks, config, digest=digest)
+        ckpt = Checkpoint(weights.directory, source=weights.source)
+        num_blocks, starts = ckpt.num_blocks, span_starts(ckpt.config)
+    connection = SwarmConnection(model_id, num_blocks, config, digest=digest, starts=starts)
     try:
         peers, uncovered = connection.run(connection.client.status(), timeout=60)
         try:

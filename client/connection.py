@@ -13,7 +13,7 @@ import gc
 import logging
 import weakref
 from pathlib import Path
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from client.config import ClientConfig
@@ -70,12 +70,14 @@ async def joined_node(config: ClientConfig, *, settle: bool = True) -> AsyncIter
 
 @contextlib.asynccontextmanager
 async def joined(model_id: str, num_blocks: int, config: ClientConfig, *, settle: bool = True,
-                 digest: str | None = None, floor: float | None = None) -> AsyncIterator[SwarmClient]:
+                 digest: str | None = None, floor: float | None = None,
+                 starts: Sequence[int] | None = None) -> AsyncIterator[SwarmClient]:
     """A `SwarmClient` for `model_id` (routing only through peers of the weights `digest`, if given; refusing
-    hidden states whose spread is under `floor`, `hops.output_floor`) over a fresh client-mode node
-    (`joined_node`), for the block."""
+    hidden states whose spread is under `floor`, `hops.output_floor`; cutting routes only at `starts`,
+    `swarm.span.span_starts`) over a fresh client-mode node (`joined_node`), for the block."""
     async with joined_node(config, settle=settle) as node:
-        yield SwarmClient(node, model_id, num_blocks, config, digest, floor, stalls=StallMemory.of(config))
+        yield SwarmClient(node, model_id, num_blocks, config, digest, floor, stalls=StallMemory.of(config),
+                          starts=starts)
 
 
 class SwarmConnection:
@@ -83,7 +85,7 @@ class SwarmConnection:
     waits for the join to finish and raises what it raised."""
 
     def __init__(self, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
-                 floor: float | None = None):
+                 floor: float | None = None, starts: Sequence[int] | None = None):
         require_peers(config)
         self.config = config
         self._loop = LoopThread("swarm-client")
@@ -93,7 +95,7 @@ class SwarmConnection:
         settle_heap(config)  # here, before the caller goes on to load the head
         self._joining = asyncio.run_coroutine_threadsafe(
             self._stack.enter_async_context(joined(model_id, num_blocks, config, settle=False, digest=digest,
-                                                floor=floor)), self._loop.loop)
+                                                floor=floor, starts=starts)), self._loop.loop)
         self._finalizer = weakref.finalize(self, SwarmConnection._shutdown, self._loop, self._stack, self._joining)
 
     @property

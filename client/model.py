@@ -51,6 +51,7 @@ from swarm.model.checkpoint import Checkpoint, num_blocks_of, read_config
 from swarm.errors import BadRequest
 from swarm.model.head import ModelHead
 from swarm.model.precision import Precision
+from swarm.span import span_starts
 from swarm.weights.models import Weights, open_weights
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         model_config = read_config(model)  # the cheap checks; the family's forward runs in `Checkpoint`
         where = Precision.of(config.device, config.dtype)
         connection = SwarmConnection(model_id, num_blocks_of(model_config), config,  # joins while the head loads
-                                     digest=weights.digest, floor=output_floor(model_config))
+                                     digest=weights.digest, floor=output_floor(model_config),
+                                     starts=span_starts(model_config))
         try:
             ckpt = Checkpoint(model, model_config, source=weights.source)
             head = ModelHead(ckpt, dtype=where.dtype, device=where.device)

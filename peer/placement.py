@@ -18,6 +18,10 @@ Choosing (`best_span`): a peer of speed `s` with room for `memory_blocks` blocks
      where it is, the one that raises weak blocks most; holes count at `HOLE_FLOOR` of the least
      positive capacity so that they weigh most;
   6. more blocks (fewer hops for clients), then the lowest start (reproducible).
+Only spans that start at one of the model's starts (`swarm.span.span_starts`; every block for most models) are
+scored, and of those, the ones that end at a start or at the model's end, when any fits the lengths asked for: a
+client's route cuts between two peers only at a start, so blocks past the last start of a span that ends
+elsewhere would serve no route.
 
 Regions: the peers within `swarm.net.distance.REGION_MS` (50 ms) of round trip from this one, as the peer
 measures it (no configured label), are its region. When the region, this peer included, has room for the whole model (the memory its
@@ -71,7 +75,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from swarm.span import Span
@@ -138,9 +142,10 @@ def score(caps: list[float], span: Span, speed: float, prefer_blocks: int | None
 
 
 def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: int | None = None,
-              min_blocks: int = 1, local: list[float] | None = None) -> Score:
+              min_blocks: int = 1, local: list[float] | None = None, starts: Collection[int] | None = None) -> Score:
     """The best span for a peer of `speed` with room for `max_blocks` blocks (see the module docstring);
-    `local`: the capacities of its region's peers alone, if its region counts.
+    `local`: the capacities of its region's peers alone, if its region counts; `starts`: the blocks a span may
+    start at (None: every block).
 
     O(blocks x max_blocks): prefix and suffix minima give the bottleneck outside each span, a running
     minimum the one inside, prefix sums per length the log gain."""
@@ -169,31 +174,37 @@ def best_span(caps: list[float], speed: float, max_blocks: int, prefer_blocks: i
             prefix.append(acc)
         gains.append(prefix)
     min_blocks = min(max(1, min_blocks), max_blocks)
+    allowed = sorted({b for b in starts if 0 <= b < total} | {0}) if starts is not None else range(total)
     best: tuple | None = None
-    for start in range(total):
-        inside = math.inf
-        for n in range(1, min(max_blocks, total - start) + 1):
-            end = start + n
-            inside = min(inside, caps[end - 1])
-            if n < min_blocks:
-                continue
-            add = speed / n
-            low = min(prefix_min[start], suffix_min[end], inside + add)
-            left = hole_prefix[start] + hole_prefix[total] - hole_prefix[end]
-            near_left = near_prefix[start] + near_prefix[total] - near_prefix[end]
-            key = (-left, n <= prefer, -near_left, _level(low), round(gains[n - 1][end] - gains[n - 1][start], 9), n,
-                   -start)
-            if best is None or key > best[0]:
-                best = (key, Span(start, end), low, left, near_left)
+    # spans ending where a span may start, else (none of the lengths asked for does) ending anywhere
+    for ends in (None if starts is None else set(allowed) | {total}, None):
+        for start in allowed:
+            inside = math.inf
+            for n in range(1, min(max_blocks, total - start) + 1):
+                end = start + n
+                inside = min(inside, caps[end - 1])
+                if n < min_blocks or (ends is not None and end not in ends):
+                    continue
+                add = speed / n
+                low = min(prefix_min[start], suffix_min[end], inside + add)
+                left = hole_prefix[start] + hole_prefix[total] - hole_prefix[end]
+                near_left = near_prefix[start] + near_prefix[total] - near_prefix[end]
+                key = (-left, n <= prefer, -near_left, _level(low), round(gains[n - 1][end] - gains[n - 1][start], 9),
+                       n, -start)
+                if best is None or key > best[0]:
+                    best = (key, Span(start, end), low, left, near_left)
+        if best is not None:
+            break
     return Score(*best)
 
 
 def rebalance(caps: list[float], speed: float, current: Span, max_blocks: int, margin: float = MARGIN,
-              prefer_blocks: int | None = None, min_blocks: int = 1, local: list[float] | None = None) -> Score | None:
+              prefer_blocks: int | None = None, min_blocks: int = 1, local: list[float] | None = None,
+              starts: Collection[int] | None = None) -> Score | None:
     """Where a peer serving `current` should move, or None to stay. `caps` (and `local`, the region's) leave this
-    peer out."""
+    peer out; `starts`: the blocks a span may start at (None: every block)."""
     here = score(caps, current, speed, prefer_blocks, local)
-    best = best_span(caps, speed, max_blocks, prefer_blocks, min_blocks, local)
+    best = best_span(caps, speed, max_blocks, prefer_blocks, min_blocks, local, starts)
     if best.span == current:
         return None
     if best.holes < here.holes:
@@ -299,29 +310,33 @@ def _region_terms(others: list[Server], near: set[str] | None, speed: float, mem
 
 
 def plan(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int,
-         near: set[str] | None = None, min_blocks: int = 1) -> Score:
+         near: set[str] | None = None, min_blocks: int = 1, starts: Collection[int] | None = None) -> Score:
     """Where a peer of `speed` that can hold `memory_blocks` blocks should serve, given the other servers
     (its own records are left out) and the peers `near` it. `min_blocks` = `memory_blocks` fixes the length
     (a peer told how many blocks to serve, which has no stage share): `best_span`, so beyond the share only to
-    fill holes."""
+    fill holes. `starts`: the blocks a span of the model may start at (None: every block)."""
     others = [s for s in served if s.peer != peer]
     prefer, local = _region_terms(others, near, speed, memory_blocks, num_blocks)
     return best_span(capacities(num_blocks, others), speed, memory_blocks,
-                     prefer if min_blocks < memory_blocks else None, min_blocks, local)
+                     prefer if min_blocks < memory_blocks else None, min_blocks, local, starts)
 
 
-def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: int | None) -> Score:
+def choose(caps: list[float], speed: float, memory_blocks: int, prefer_blocks: int | None,
+           starts: Collection[int] | None = None) -> Score:
     """A joining peer's span on top of `caps`: `best_span`, so beyond its stage share only to fill holes."""
-    return best_span(caps, speed, memory_blocks, prefer_blocks)
+    return best_span(caps, speed, memory_blocks, prefer_blocks, starts=starts)
 
 
 def decide(served: Iterable[Server], peer: str, speed: float, memory_blocks: int, num_blocks: int, current: Span,
-           margin: float = MARGIN, min_blocks: int = 1, near: set[str] | None = None) -> Score | None:
+           margin: float = MARGIN, min_blocks: int = 1, near: set[str] | None = None,
+           starts: Collection[int] | None = None) -> Score | None:
     """Whether a peer serving `current` should move (the span to move to) or stay (None); see `rebalance`.
-    `min_blocks` = `memory_blocks` keeps the span's length (a peer told how many blocks to serve)."""
+    `min_blocks` = `memory_blocks` keeps the span's length (a peer told how many blocks to serve); `starts`: the
+    blocks a span of the model may start at (None: every block)."""
     others = [s for s in served if s.peer != peer]
     prefer, local = _region_terms(others, near, speed, memory_blocks, num_blocks)
-    return rebalance(capacities(num_blocks, others), speed, current, memory_blocks, margin, prefer, min_blocks, local)
+    return rebalance(capacities(num_blocks, others), speed, current, memory_blocks, margin, prefer, min_blocks, local,
+                     starts)
 
 
 def claims_before(served: Iterable[Server], peer: str, since: float) -> list[Server]:

@@ -23,7 +23,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +53,7 @@ from swarm.net.identity import Identity, load_or_create
 from swarm.model.precision import Precision
 from swarm.net.record_service import records_handler
 from swarm.net.records import check_model_id
-from swarm.span import Span
+from swarm.span import Span, check_start, span_starts
 from swarm.net.transport import Node, describe_peer
 from swarm.weights.models import open_weights
 
@@ -115,13 +115,13 @@ def block_cost(ckpt: Checkpoint, model_id: str, config: PeerConfig, precision: P
 
 
 def first_span(config: PeerConfig, served: list[view.Server], peer: str, speed: float, memory: int,
-               num_blocks: int, near: set[str] | None = None) -> placement.Score:
-    """The span to start with: --blocks, else the placement's choice (--num-blocks fixes the length)."""
+               num_blocks: int, near: set[str] | None, starts: Sequence[int]) -> placement.Score:
+    """The span to start with: --blocks (`check_start`), else the placement's choice (--num-blocks fixes the length)."""
     if config.blocks is not None:
-        config.blocks.check_within(num_blocks)
+        check_start(config.blocks, starts, num_blocks)
         return placement.score([0.0] * num_blocks, config.blocks, speed)
     return placement.plan(served, peer, speed, memory, num_blocks, near,
-                          min_blocks=memory if config.num_blocks is not None else 1)
+                          min_blocks=memory if config.num_blocks is not None else 1, starts=starts)
 
 
 @contextlib.asynccontextmanager
@@ -269,7 +269,7 @@ class Peer:
         served = await self.view.read()
         self.near = await self.distances.near(served) if config.blocks is None else None
         choice = first_span(config, served, self.node.peer_id, self.capacity.speed, self.memory, ckpt.num_blocks,
-                            self.near)
+                            self.near, span_starts(ckpt.config))
         span = choice.span
         logger.info("peer %s chose blocks %s of %d (room for %d, %.1f tokens/s per block; swarm bottleneck %.2f "
                     "tokens/s with it; %d peers near, %d blocks none of them serves)", self.name, span, ckpt.num_blocks,
@@ -364,7 +364,7 @@ class Peer:
     def _decide(self, served: list[view.Server]) -> placement.Score | None:
         return placement.decide(served, self.node.peer_id, self.capacity.speed, self.memory, self.ckpt.num_blocks,
                                 self.span, min_blocks=self.memory if self.config.num_blocks is not None else 1,
-                                near=self.near)
+                                near=self.near, starts=span_starts(self.ckpt.config))
 
     async def _announcing(self, work: asyncio.Future, state: str):
         """`work`'s result, re-announcing `state` every announce interval meanwhile (a long download must

@@ -453,7 +453,7 @@ async def serve(config: ApiConfig, client_config: ClientConfig, models: list, st
     async with joined_node(client_config) as node:
         served = [dataclasses.replace(m, client=SwarmClient(node, m.model_id, m.num_blocks, client_config, m.digest,
                                                          floor=m.floor, referee=m.referee,
-                                                         stalls=StallMemory.of(client_config)))
+                                                         stalls=StallMemory.of(client_config), starts=m.starts))
                   for m in loaded]
         gateway = Gateway(config, served)
         try:

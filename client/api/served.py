@@ -39,6 +39,7 @@ class ServedModel:
     floor: float = output_floor()  # the spread under which its hidden states are degenerate (`hops.output_floor`)
     recurrent: bool = False  # some layer keeps a recurrent state: caches return only to recent step ends
     referee: Any = None  # client.inference.referee.Referee: this checkpoint's blocks, computed here to settle disputes
+    starts: Sequence[int] | None = None  # the blocks a hop of its routes may start at (`swarm.span.span_starts`)
 
     @property
     def vocab_size(self) -> int:
@@ -136,6 +137,7 @@ async def load(weights, config: ApiConfig, client_config: ClientConfig) -> Serve
     from swarm.model.checkpoint import Checkpoint
     from swarm.model.head import ModelHead
     from swarm.model.precision import Precision
+    from swarm.span import span_starts
 
     path, model_id = weights.directory, weights.name
     print(f"[api] loading the head of {weights.describe()}", file=sys.stderr, flush=True)
@@ -150,4 +152,4 @@ async def load(weights, config: ApiConfig, client_config: ClientConfig) -> Serve
     await loop.run_in_executor(None, grammar.grammar_tokenizer, tokenizer, head.vocab_size, end_tokens)
     return ServedModel(model_id, None, head, tokenizer, context_length_of(ckpt.config, config.context_length),
                        end_tokens, ckpt.num_blocks, Path(path), weights.digest, output_floor(ckpt.config),
-                       ckpt.recurrent, Referee(ckpt))
+                       ckpt.recurrent, Referee(ckpt), span_starts(ckpt.config))

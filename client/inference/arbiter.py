@@ -20,7 +20,9 @@ only by evidence no accuser can make:
    half on their own first half's output; a side whose halves contradict its answer for T is convicted. The
    half where they disagree is kept (for the second half, each side's input is its own first-half output) until one
    block is left, which the client computes on each side's input: a side that disagrees with that lied.
-   About 2 log2(|T|) forwards of at most |T| blocks by each side, then one block here.
+   About 2 log2(|T|) forwards of at most |T| blocks by each side, then one block here. Halves are cut only where a
+   span of the model may start (`swarm.span.span_starts`, the client's `starts`), nearest the middle: the blocks
+   left are then those from one start to the next, computed here together.
 3. Without a referee (no checkpoint at hand, or its weights cannot be had), the dispute stays open: neither
    side is banned, and the hop's outputs from there are unchecked (said as for a sole server), never
    verified. Disputes are forgotten after `failures.DISPUTE_S`.
@@ -126,8 +128,11 @@ async def bisect(client, sides: tuple[str, str], span: Span, inputs: tuple[torch
                  claims: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, tol: float) -> Verdict:
     """Two peers (`sides`) that computed `claims` for `span` from `inputs` (each its own) and disagree: narrowed
     down to one block, which the client computes (module docstring, step 2)."""
+    starts = getattr(client, "starts", None)
     while len(span) > 1:
-        mid = span.start + len(span) // 2
+        mid = _middle(span, starts)
+        if mid is None:
+            break  # no span may start inside it: the client computes it whole
         first, second = Span(span.start, mid), Span(mid, span.end)
         halves = await asyncio.gather(*(_halves(client, peer, first, second, x, mask)
                                         for peer, x in zip(sides, inputs)))
@@ -145,26 +150,36 @@ async def bisect(client, sides: tuple[str, str], span: Span, inputs: tuple[torch
     return await _referee(client, sides, span, inputs, claims, mask, tol)
 
 
+def _middle(span: Span, starts) -> int | None:
+    """Where to cut `span` in two: its middle, or the start of `starts` inside it nearest the middle (the lower on a
+    tie); None if no span may start inside it."""
+    middle = span.start + len(span) // 2
+    if starts is None:
+        return middle
+    inside = [b for b in starts if span.start < b < span.end]
+    return min(inside, key=lambda b: (abs(b - middle), b)) if inside else None
+
+
 async def _referee(client, sides, span, inputs, claims, mask, tol) -> Verdict:
     referee = getattr(client, "referee", None)
     truths = [None, None]
     if referee is not None:  # the second side's input is the first's, or its own (after a half they agreed on)
-        truths[0] = await referee.run(span.start, inputs[0], mask)
+        truths[0] = await referee.run(span, inputs[0], mask)
         same = inputs[1] is inputs[0] or truths[0] is None
-        truths[1] = truths[0] if same else await referee.run(span.start, inputs[1], mask)
+        truths[1] = truths[0] if same else await referee.run(span, inputs[1], mask)
     if any(t is None for t in truths):
-        logger.warning("peers %s and %s disagree about block %d, and it cannot be computed here: the dispute stays "
-                       "open", describe_peer(sides[0]), describe_peer(sides[1]), span.start)
+        logger.warning("peers %s and %s disagree about blocks %s, and they cannot be computed here: the dispute stays "
+                       "open", describe_peer(sides[0]), describe_peer(sides[1]), span)
         client.failures.dispute(*sides)
         return Verdict(None, sides[1], span, convicted=False)
     wrong = [peer for peer, claim, t in zip(sides, claims, truths) if disagree(claim, t, tol)]
-    evidence = f"its output of block {span.start} contradicts this client's own computation"
+    evidence = f"its output of blocks {span} contradicts this client's own computation"
     if len(wrong) == 2:
         client.failures.convict(wrong[1])  # both lied: one verdict returned, the other convicted here
-        logger.warning("peer %s returned wrong outputs for block %d: %s", describe_peer(wrong[1]), span.start, evidence)
+        logger.warning("peer %s returned wrong outputs for blocks %s: %s", describe_peer(wrong[1]), span, evidence)
     if wrong:
         return _convicted(wrong[0], span, evidence)
-    return Verdict(None, evidence=f"both sides agree with this client's computation of block {span.start}: rounding")
+    return Verdict(None, evidence=f"both sides agree with this client's computation of blocks {span}: rounding")
 
 
 def _convicted(peer: str, span: Span, evidence: str) -> Verdict:

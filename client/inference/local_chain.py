@@ -13,7 +13,7 @@ from swarm.model.blocks import SpanBlocks
 from swarm.model.cache import SpanCache
 from swarm.model.checkpoint import Checkpoint
 from swarm.model.head import ModelHead
-from swarm.span import Span, split_evenly
+from swarm.span import Span, span_starts, split_evenly
 
 
 class LocalChain:
@@ -28,8 +28,10 @@ class LocalChain:
 
     @classmethod
     def from_path(cls, path, parts: int, dtype: str = "float32") -> LocalChain:
-        """The checkpoint at `path` cut into `parts` spans of nearly equal size."""
-        return cls(path, split_evenly(Checkpoint(path).num_blocks, parts), dtype=dtype)
+        """The checkpoint at `path` cut into `parts` spans of nearly equal size, each starting where a span of the
+        model may start (`swarm.span.span_starts`)."""
+        ckpt = Checkpoint(path)
+        return cls(path, split_evenly(ckpt.num_blocks, parts, span_starts(ckpt.config)), dtype=dtype)
 
     def session(self, batch_size: int = 1, max_length: int = 2048) -> LocalSession:
         return LocalSession(self, [b.new_cache(batch_size, max_length) for b in self.blocks])

@@ -1,7 +1,8 @@
 """The client's own computation of one block, the last word in a dispute between two peers. Sync loading, async use.
 
 Two peers that computed different outputs for the same inputs are narrowed down, by their own answers, to one
-block and one input (`client.inference.arbiter`); the client then runs that block itself, from the checkpoint's
+block and one input (`client.inference.arbiter`; the blocks from one start to the next where a span of the model
+may start only at some, `swarm.span.span_starts`); the client then runs that block itself, from the checkpoint's
 weights, and whoever disagrees with it lied. The weights are the model's own: a local checkpoint's files, or a
 hub model's shard holding the block, fetched once and checked against the hashes the hub lists (the same
 hashes that name the weights in the swarm, `swarm.weights.digest`). No peer's word enters the verdict.
@@ -30,30 +31,30 @@ KEEP = 2  # blocks kept loaded after a dispute (the next one is often about the 
 
 
 class Referee:
-    """Runs single blocks of `checkpoint` locally, in float32."""
+    """Runs the blocks of a dispute (one, or those from one start to the next) of `checkpoint` locally, in float32."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
-        self._blocks: OrderedDict[int, SpanBlocks] = OrderedDict()
+        self._blocks: OrderedDict[Span, SpanBlocks] = OrderedDict()
         self._lock = threading.Lock()  # one load or forward at a time: the client's CPU is the user's
         self.runs = 0
 
-    async def run(self, block: int, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """`x` (positions `[0, n)`, attention mask `mask`) through block `block`; None if the block's weights
+    async def run(self, span: Span, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """`x` (positions `[0, n)`, attention mask `mask`) through blocks `span`; None if their weights
         cannot be had (a hub that cannot be reached, a file whose hash is wrong): the dispute stays open."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._run, block, x, mask)
+            return await asyncio.get_running_loop().run_in_executor(None, self._run, span, x, mask)
         except Exception as e:  # noqa: BLE001 - whatever kept the weights away, the dispute is then unsettled
-            logger.warning("could not compute block %d here to settle a dispute: %s", block, e)
+            logger.warning("could not compute blocks %s here to settle a dispute: %s", span, e)
             return None
 
-    def _run(self, block: int, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, span: Span, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         with self._lock:
-            blocks = self._blocks.pop(block, None)
+            blocks = self._blocks.pop(span, None)
             if blocks is None:
-                logger.info("loading block %d here to settle a dispute", block)
-                blocks = SpanBlocks(self.checkpoint, Span(block, block + 1))
-            self._blocks[block] = blocks
+                logger.info("loading blocks %s here to settle a dispute", span)
+                blocks = SpanBlocks(self.checkpoint, span)
+            self._blocks[span] = blocks
             while len(self._blocks) > KEEP:
                 self._blocks.popitem(last=False)
             self.runs += 1

@@ -32,7 +32,9 @@ when a session needs cache, announce (or were last measured with) room for it. I
 eligible peer there is no route, and `NoRoute` names the blocks; otherwise the cheapest path over
 (block boundary, last peer), boundary by boundary, is the route (the last peer only matters for peers
 announcing links). Ties: fewer hops, then peer id, so choices are reproducible; with an `rng`, a random
-order of the peers instead (seeded per session: equal replicas share the load, reproducibly).
+order of the peers instead (seeded per session: equal replicas share the load, reproducibly). A route cuts
+from one hop to the next only at a block a span of the model may start at (`swarm.span.span_starts`): a
+hop is part of its peer's span, and the peer refuses one that starts elsewhere.
 
 Also pure and here: `BlockWait`, how long a session goes on asking for a route while blocks have no
 live peer, and the check a session makes once, after its first decode steps, of whether its route is
@@ -44,7 +46,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -300,15 +302,18 @@ def route_cost_ms(hops: Sequence[Hop], offers: Mapping[str, Offer], measurements
 def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, bans: Bans, *,
                exclude: Iterable[str] = (), cache_tokens: int = 0, model: str = "the model",
                load: Mapping[str, int] | None = None, chain: bool = False,
-               rng: random.Random | None = None, min_rank: int = 0, prefer: str | None = None) -> list[Hop]:
+               rng: random.Random | None = None, min_rank: int = 0, prefer: str | None = None,
+               starts: Collection[int] | None = None) -> list[Hop]:
     """The cheapest chain of hops covering `span` (see the module docstring); `NoRoute` if none.
 
     `load`: sessions this client holds at each peer. `chain`: price later hops by the links peers
     announced. `rng`: break ties by a random order of peers drawn from it (default: by peer id).
     `min_rank`: only peers whose weights are at least that precise (`swarm.formats.PRECISIONS`).
     `prefer`: a weight format; a hop in another format costs `FORMAT_PENALTY_MS` more, so it is chosen
-    only when no route in that format exists (failover keeps a span's format)."""
+    only when no route in that format exists (failover keeps a span's format). `starts`: the blocks a hop may
+    start at (`swarm.span.span_starts`; None: every block)."""
     offers, exclude, own = list(offers), set(exclude), load or NO_LOAD
+    cuts = None if starts is None else set(starts)
     usable = eligible(offers, measurements, bans, exclude, cache_tokens, min_rank)
     missing = [b for b in span if not any(o.span.start <= b < o.span.end for o in usable)]
     if missing:
@@ -342,13 +347,21 @@ def find_route(offers: Iterable[Offer], span: Span, measurements: Measurements, 
                     hop_ms += FORMAT_PENALTY_MS
                 ranks = key + (rank[offer.peer],)
                 for there in range(here + 1, min(offer.span.end, span.end) + 1):
+                    if cuts is not None and there < span.end and there not in cuts:
+                        continue  # the next hop could not start there
                     blocks = there - here
                     entry = (unproven + doubt * blocks, cost + hop_ms + blocks * per_block, hops + 1, ranks)
                     target = (there, after)
                     if target not in best or entry < best[target]:
                         best[target], came[target] = entry, (state, offer)
                         at.setdefault(there, set()).add(after)
-    state = min((s for s in best if s[0] == span.end), key=best.__getitem__)
+    ends = [s for s in best if s[0] == span.end]
+    if not ends:  # every block is served, but no chain of the peers' spans cuts only where a hop may start
+        reached = max(s[0] for s in best)
+        missing = tuple(range(reached, span.end))
+        raise NoRoute(f"no chain of live peers serves blocks {ranges_text(missing)} of {model} cutting between "
+                      f"peers only where a span may start (blocks {ranges_text(sorted(cuts or ()))})", missing)
+    state = min(ends, key=best.__getitem__)
     route = []
     while state != start:
         prev, offer = came[state]

@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from client.inference import hops, peer_session
@@ -73,8 +73,11 @@ class PeerState:
 
 class SwarmClient:
     def __init__(self, node: Node, model_id: str, num_blocks: int, config: ClientConfig, digest: str | None = None,
-                 floor: float | None = None, referee=None, stalls: StallMemory | None = None):
+                 floor: float | None = None, referee=None, stalls: StallMemory | None = None,
+                 starts: Sequence[int] | None = None):
         self.node, self.model_id, self.num_blocks, self.config = node, model_id, num_blocks, config
+        # the blocks a hop may start at (`swarm.span.span_starts`); None: every block (a client without the config)
+        self.starts = starts
         # the client's own computation of single blocks (`client.inference.referee.Referee`), settling disputes
         # between two peers; None: a client with no checkpoint at hand (disputes then stay open)
         self.referee = referee
@@ -297,7 +300,7 @@ class SwarmClient:
             return find_route(self.offers.values(), span, self.measurements, self.bans, exclude=exclude,
                               cache_tokens=cache_tokens, model=self.model_id, load=self._load(discount),
                               chain=self.config.chain, rng=rng, min_rank=PRECISIONS.index(self.config.min_precision),
-                              prefer=prefer)
+                              prefer=prefer, starts=self.starts)
         except NoRoute as e:
             behind = [p for p, s in self.relayed_out.items() if any(s.start <= b < s.end for b in e.missing)]
             if not behind:
@@ -317,7 +320,7 @@ class SwarmClient:
         offers = [o for o in self.offers.values() if o.format == fmt]
         try:
             return find_route(offers, span, self.measurements, self.bans, exclude=exclude, cache_tokens=cache_tokens,
-                              model=self.model_id, load=self.own_load, rng=rng)
+                              model=self.model_id, load=self.own_load, rng=rng, starts=self.starts)
         except NoRoute:
             return None
 

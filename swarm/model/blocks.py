@@ -35,8 +35,8 @@ from transformers.cache_utils import (DummyLayer, DynamicIndexedLayer, DynamicLa
 from swarm.model.checkpoint import Checkpoint, parse_dtype
 from swarm.model.precision import Precision, module_bytes, quantize
 from swarm.errors import BadRequest, SwarmError
-from swarm.model.cache import (ATTENTION, COMPRESSED, HYBRID, INDEXED, RECURRENT, AttentionLayer, LengthLayer,
-                               SpanCache, kind_cache, span_kv)
+from swarm.model.cache import ATTENTION, COMPRESSED, HYBRID, INDEXED, RECURRENT, SpanCache, kind_cache, span_kv
+from swarm.model.cache_layers import AttentionLayer, LengthLayer
 from swarm.model.compressed import family_layer
 from swarm.model.family_cache import cache_class
 from swarm.model.ragged import (NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer, RaggedUnsupported, batch_dependent,
@@ -44,7 +44,7 @@ from swarm.model.ragged import (NAMES as RAGGED_NAMES, RaggedBatch, RaggedLayer,
 from swarm.model.kv import KVLayout, Pool, Rows
 from swarm.model.frame import LayerSlot, Plan, build, position_ids_for
 from swarm.model.recurrent import HELD_LOCK, held_slots, load_held, one_token_continuations, save_held
-from swarm.span import Span
+from swarm.span import Span, check_start, span_starts
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +52,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_POOL_TOKENS = 1 << 18
 
 def check_indexer_start(config, run: Span) -> None:
-    """`BadRequest` if `run` starts at a block that reuses the previous block's indexer choice (its
-    `indexer_types` entry is "shared"): the family's loop hands it over from layer to layer, not across spans."""
-    kinds = getattr(config, "indexer_types", None)
-    if run.start and isinstance(kinds, (list, tuple)) and run.start < len(kinds) and kinds[run.start] == "shared":
-        full = [i for i, kind in enumerate(kinds) if kind != "shared"]
-        raise BadRequest(f"blocks {run} start at block {run.start}, which reuses the tokens block {run.start - 1}'s "
-                         f"indexer chose: a span of this model starts at one of the blocks {full}")
+    """`BadRequest` if `run` starts at a block no span of the model may start at (`swarm.span.span_starts`: one
+    that reuses the tokens the previous block's indexer chose, handed over inside the family's layer loop)."""
+    check_start(run, span_starts(config))
 
 
 class SpanBlocks(torch.nn.Module):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.model.cache import AttentionLayer
+from swarm.model.cache_layers import AttentionLayer
 from swarm.model.kv import Part, Rows
 
 SPARSE, HEAVY = "compressed_sparse_attention", "heavily_compressed_attention"

@@ -29,7 +29,7 @@ from transformers import PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from swarm.model.cache import LengthLayer
+from swarm.model.cache_layers import LengthLayer
 
 NAMES = {"sdpa": "swarm_ragged_sdpa", "eager": "swarm_ragged_eager"}  # the family's implementation -> ours
 

@@ -26,9 +26,9 @@ class Referee:
     def __init__(self):
         self.blocks: list[int] = []
 
-    async def run(self, block, x, mask):
-        self.blocks.append(block)
-        return x + 1
+    async def run(self, span, x, mask):
+        self.blocks.append(span.start)
+        return x + len(span)
 
 
 class Swarm:
@@ -101,6 +101,25 @@ def test_a_consistent_liar_is_narrowed_down_to_one_block_which_the_client_comput
     assert swarm.referee.blocks == [0]  # it lies from the first block: bisected to it, computed here once
     # the check and the claim, both sides' recomputations, then two halves by each side per level
     assert swarm.forwards <= 2 + 2 + 2 * 2 * 3
+
+
+def test_bisection_cuts_only_where_a_span_may_start_and_the_client_computes_the_blocks_between_two_starts():
+    """Spans of this model start only at blocks 0, 1 and 5 (`swarm.span.span_starts`, as HY v4's "shared" indexer
+    blocks make them): a peer lying about block 3 is bisected to [1:5), which the client computes whole; no side is
+    ever asked for blocks starting elsewhere (a peer refuses them)."""
+    class Shared(Swarm):
+        starts = (0, 1, 5)
+
+        def compute(self, hop, x):
+            assert hop.span.start in self.starts, hop
+            return super().compute(hop, x) + (0.5 if hop.peer == "liar" and 3 in hop.span else 0)
+
+    swarm = Shared({"liar": Span(0, 8), "c": Span(0, 8)})
+    whole = Span(0, 8)
+    want, claimed = swarm.compute(Hop("c", whole), X), swarm.compute(Hop("liar", whole), X)  # it lies consistently
+    verdict = asyncio.run(arbiter.settle(swarm, "liar", [Hop("c", whole)], [X], [want], claimed, None, TOL))
+    assert verdict.liar == "liar" and verdict.span == Span(1, 5) and "own computation" in verdict.evidence
+    assert set(swarm.referee.blocks) == {1}  # [1:5) on each side's input
 
 
 def test_an_honest_checker_is_judged_on_its_own_answers_only():
