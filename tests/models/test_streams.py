@@ -149,3 +149,13 @@ def test_token_ids_a_layer_needs_are_refused_by_config(tmp_path):
     tiny_config("qwen4_exp_text", ple_layer_ids=[1, 5]).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel, match=r"layers \[0, 4\] embed n-grams of the token ids"):
         Checkpoint(tmp_path)
+
+
+def test_a_span_of_hy_v4_starts_at_a_block_choosing_its_own_tokens(tmp_path):
+    """HY-V4's "shared" blocks reuse the tokens the block before chose (handed from layer to layer, not across
+    spans): a span starting at one is refused, naming the blocks it can start at."""
+    from swarm.errors import BadRequest
+
+    path = build("hy_v4", tmp_path)
+    with pytest.raises(BadRequest, match=r"one of the blocks \[0, 2, 4\]"):
+        SpanBlocks(Checkpoint(path), Span(1, 3))
