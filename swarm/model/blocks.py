@@ -395,7 +395,7 @@ class SpanBlocks(torch.nn.Module):
         batch, tokens, _ = hidden.shape
         boundary = self.boundary
         hidden, parts = boundary.split(hidden)
-        plan = Plan(enter=entries[run.start], hidden=hidden, leave=entries[run.end - 1])
+        plan = Plan(enter=entries[run.start], hidden=boundary.unflatten(hidden), leave=entries[run.end - 1])
         for stream, part in zip(boundary.streams, parts):
             # a carried stream enters at the span's first layer; at block 0 the family's own (none) is right
             for i in ([run.start] if run.start > 0 else []) if stream.carried else run:
@@ -406,6 +406,7 @@ class SpanBlocks(torch.nn.Module):
             attention_mask=None if attention_mask is None else attention_mask.long(), position_ids=position_ids,
             cache=kv, use_cache=kv is not None,
             **boundary.forward_kwargs(batch, tokens, self.dtype, self.device))
+        out = boundary.flatten(out)
         if not boundary.streams:
             return out
         parts = [plan.output[1] if stream.carried else part for stream, part in zip(boundary.streams, parts)]

@@ -73,6 +73,7 @@ class ModelLayout:
     head_modules: frozenset[str]  # modules the client's head calls: embedding, final norm, LM head, ...
     peer_modules: frozenset[str]  # modules a span's forward calls outside its layers (rotary, ...)
     streams: tuple[Stream, ...] = ()  # what the layers take per token besides the hidden states (`swarm.model.streams`)
+    hidden_shape: tuple[int, ...] = ()  # per token, what the first layer takes: [hidden], or [streams, hidden]
 
     def block_prefix(self, block: int) -> str:
         return f"{self.layers_path}.{block}."
@@ -151,7 +152,8 @@ class Checkpoint:
     def boundary(self) -> Boundary:
         """What a span takes and returns per token (the hidden states, then the family's other streams): its
         `width` is what the wire carries as hidden states."""
-        return Boundary(self.hidden_size, self.layout.streams)
+        shape = self.layout.hidden_shape or (self.hidden_size,)
+        return Boundary(math.prod(shape), self.layout.streams, shape)
 
     def _index_tensors(self) -> dict[str, Path]:
         """Map every tensor name to the safetensors file that holds it (single file or sharded)."""
@@ -239,7 +241,7 @@ class Checkpoint:
         try:
             from swarm.span import Span
 
-            probe = frames.probe(skel, path, shadows, embeddings.embedding_dim, self.hidden_size,
+            probe = frames.probe(skel, path, shadows, embeddings.embedding_dim,
                                  span_cache=lambda: self._session_cache(Span(0, n)).kv,
                                  extra=Boundary(self.hidden_size, streams).forward_kwargs(1, 2, torch.float32, "cpu"))
         except UnsupportedModel as exc:
@@ -250,7 +252,7 @@ class Checkpoint:
         return ModelLayout(layers_path=path, layer_types=layer_types(self.text_config),
                            returns=probe.returns, embed_dim=embeddings.embedding_dim,
                            head_modules=frozenset(probe.head_modules), peer_modules=frozenset(probe.peer_modules),
-                           streams=streams)
+                           streams=streams, hidden_shape=probe.hidden_shape)
 
     @property
     def recurrent(self) -> bool:
@@ -452,18 +454,17 @@ def check_supported(config: PretrainedConfig) -> None:
 
 
 def _span_inputs_missing(text: PretrainedConfig) -> str:
-    """What a span of this config's layers would need beyond the hidden states [batch, tokens, hidden] a span
-    takes and returns ("" if nothing)."""
+    """What a span of this config's layers would need beyond the hidden states and streams a span takes and returns
+    (`swarm.model.streams`): token ids ("" if nothing)."""
     reasons = []
     hashed = [i for i, kind in enumerate(getattr(text, "mlp_layer_types", None) or []) if kind == "hash_moe"]
     if hashed:
         reasons.append(f"its layers {hashed} pick their experts by token id (hash_moe), and a span is given hidden "
-                       "states only, not the token ids")
-    streams = getattr(text, "hc_mult", 1)
-    if isinstance(streams, int) and streams > 1:
-        reasons.append(f"its layers pass {streams} residual streams [batch, tokens, {streams}, hidden] from one to "
-                       "the next (hyper-connections), not the hidden states [batch, tokens, hidden] a span takes and "
-                       "returns")
+                       "states only, not the token ids (which the wire's 16-bit and 8-bit encodings would not keep)")
+    ngrams = [i - 1 for i in getattr(text, "ple_layer_ids", None) or []]
+    if ngrams:
+        reasons.append(f"its layers {ngrams} embed n-grams of the token ids (ple_layer_ids), and a span is given "
+                       "hidden states only, not the token ids")
     return "; ".join(reasons)
 
 

@@ -239,11 +239,12 @@ def _parent(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
 
 def length_cache(batch: int, length: int, num_blocks: int, device=None, kv_class: type | None = None):
     """A cache that holds nothing but says it holds `length` tokens: what a family's embedding step reads
-    positions from when its forward takes no position ids (of `kv_class`, where the family takes no other)."""
+    positions from when its forward takes no position ids (of `kv_class`, where the family takes no other). Its entry
+    is an indexed one: a family may keep its indexers' positions there (it reads and sets `indexer_position_ids`)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicIndexedLayer
 
-    layer = DynamicLayer()
+    layer = DynamicIndexedLayer()
     if length:
         layer.update(torch.zeros(batch, 1, length, 1, device=device), torch.zeros(batch, 1, length, 1, device=device))
     kv = (kv_class or DynamicCache)()
@@ -261,14 +262,16 @@ class Probe:
     returns: str
     head_modules: set[str]
     peer_modules: set[str]
+    hidden_shape: tuple[int, ...]  # per token, what the first layer takes (`swarm.model.streams.Boundary.shape`)
 
 
 def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Module], embed_dim: int,
-          hidden_size: int, span_cache=None, extra: dict | None = None) -> Probe:
+          span_cache=None, extra: dict | None = None) -> Probe:
     """Run the family's forward on `skeleton` (emptied of its layers, its vocabulary tables constant, its
     other weights random) the three ways a swarm does: to the embeddings the first layer gets, from outside
-    hidden states at a peer, and from hidden states to logits. Returns the loop's output convention and which modules
-    the head's and a peer's calls use (so only their tensors are loaded). `extra`: the forward's arguments for a
+    hidden states at a peer, and from hidden states to logits. Returns the loop's output convention, the shape of what
+    the first layer takes per token, and which modules the head's and a peer's calls use (so only their tensors are
+    loaded). `extra`: the forward's arguments for a
     family's other streams (`swarm.model.streams.Boundary.forward_kwargs`)."""
     extra = extra or {}
     slots = [LayerSlot(i, shadow) for i, shadow in enumerate(shadows)]
@@ -309,12 +312,13 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
     first = []
     embed = called(lambda: first.append(frame.call(Plan(capture=slots[0]), input_ids=ids, position_ids=position_ids,
                                                    use_cache=False)))
-    if not isinstance(first[0], torch.Tensor) or first[0].ndim != 3:
+    if not isinstance(first[0], torch.Tensor) or first[0].ndim < 3 or tuple(first[0].shape[:2]) != (1, 2):
         from swarm.errors import UnsupportedModel
 
         shape = list(first[0].shape) if isinstance(first[0], torch.Tensor) else type(first[0]).__name__
-        raise UnsupportedModel(f"its layers take hidden states of shape {shape} for 2 tokens, not [batch, tokens, "
-                               "hidden] (several streams of hidden states), which the wire does not carry")
+        raise UnsupportedModel(f"its layers take hidden states of shape {shape} for 1 sequence of 2 tokens, not "
+                               "[batch, tokens, ...], so they cannot be cut into tokens for the wire")
+    shape = tuple(first[0].shape[2:])  # per token: [hidden], or several residual streams [streams, hidden]
     # A span's call, with the cache a session would have: a family that wants a cache of its own is found here.
     peer = called(lambda: frame.call(Plan(capture=slots[0]), decoder=True, inputs_embeds=torch.zeros(1, 2, embed_dim),
                                      position_ids=position_ids, cache=span_cache() if span_cache else None,
@@ -323,7 +327,7 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
     # weights). The first under which the next slot gets hidden states of the right shape is the family's.
     for convention in ("tensor", "tuple", "pair"):
         frame.returns = convention
-        plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size),
+        plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, *shape),
                     capture=slots[1] if len(slots) > 1 else None)
         try:
             frame.call(plan, inputs_embeds=torch.zeros(1, 2, embed_dim), position_ids=position_ids, use_cache=False,
@@ -332,9 +336,9 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
             if convention == "pair":
                 raise
             continue
-        if len(slots) == 1 or (isinstance(plan.seen[1], torch.Tensor) and plan.seen[1].shape == (1, 2, hidden_size)):
+        if len(slots) == 1 or (isinstance(plan.seen[1], torch.Tensor) and plan.seen[1].shape == (1, 2, *shape)):
             break
-    tail_plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, hidden_size))
+    tail_plan = Plan(enter=slots[0], hidden=torch.zeros(1, 2, *shape))
     out = {}
     tail = called(lambda: out.update(logits=_logits(frame.call(tail_plan, inputs_embeds=torch.zeros(1, 2, embed_dim),
                                                                 position_ids=position_ids, use_cache=False,
@@ -346,7 +350,7 @@ def probe(skeleton: torch.nn.Module, layers_path: str, shadows: list[torch.nn.Mo
 
         raise UnsupportedModel(f"its forward runs {len(tail_plan.seen)} layer calls for {len(slots)} layers (layers "
                                "looped or skipped), so a span's output is not what the next span takes")
-    return Probe(returns=frame.returns, head_modules=embed | tail, peer_modules=peer)
+    return Probe(returns=frame.returns, head_modules=embed | tail, peer_modules=peer, hidden_shape=shape)
 
 
 def _logits(output):

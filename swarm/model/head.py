@@ -71,8 +71,8 @@ class ModelHead(torch.nn.Module):
                                  cache=length_cache(batch, position, self.num_blocks, self.device, self.kv_class),
                                  use_cache=True)
         if not streams:
-            return hidden
-        hidden = plan.seen[0]  # what the first layer takes (slots pass it on unchanged)
+            return self.boundary.flatten(hidden)
+        hidden = self.boundary.flatten(plan.seen[0])  # what the first layer takes (slots pass it on unchanged)
         parts = []
         for stream in streams:
             if stream.carried:  # no layer has run: the first span's first layer starts it
@@ -92,8 +92,9 @@ class ModelHead(torch.nn.Module):
             return self.logits(hidden.reshape(1, -1, hidden.shape[-1])).reshape(*lead, -1)
         if hidden.shape[-1] != self.boundary.width:
             raise BadRequest(f"hidden states must be [..., {self.boundary.width}], got {tuple(hidden.shape)}")
-        hidden = self.boundary.split(hidden.to(self.device, self.dtype))[0]  # the final norm takes the hidden part
         batch, tokens, _ = hidden.shape
+        # the family's collapse of its residual streams and final norm take the hidden part, as the layers pass it
+        hidden = self.boundary.unflatten(self.boundary.split(hidden.to(self.device, self.dtype))[0])
         out = self.frame.call(Plan(enter=self.slot, hidden=hidden),
                               inputs_embeds=torch.zeros(batch, tokens, self.layout.embed_dim, dtype=self.dtype,
                                                         device=self.device),

@@ -13,15 +13,24 @@ So what a span takes and returns, and what the wire carries as its hidden states
 `[batch, tokens, width]`: the hidden states followed by the streams, in `Boundary.streams` order, along the last
 dimension. The head's final norm and LM head take the hidden part alone.
 
+The hidden states themselves are whatever the family's first layer takes, of any shape `[batch, tokens, ...]`:
+families with hyper-connections pass several residual streams from layer to layer (`[batch, tokens, 4, hidden]`),
+built from the embeddings before the layer loop and collapsed after it by the family's own forward (the head's
+part). On the boundary they are flattened to `[batch, tokens, hidden]` (`Boundary.shape`, read off the family's
+forward by `swarm.model.frame.probe`): a span unflattens them for its first layer and flattens its last layer's
+output; the head unflattens them for the family's collapse and final norm.
+
 Invariants:
-- A family's boundary is read off its layers' own signatures and its config (`streams_of`), the same for every
-  peer and client of a checkpoint: `Boundary.width` is the one width every party checks.
+- A family's boundary is read off its layers' own signatures, its config (`streams_of`) and what its forward hands
+  the first layer, the same for every peer and client of a checkpoint: `Boundary.width` is the one width every
+  party checks, and `flatten` and `unflatten` are the one mapping between the layers' shape and the boundary's.
 - Passed-through streams come out of a span exactly as they went in (`passthrough`): a client can check that.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +53,19 @@ class Boundary:
 
     hidden: int
     streams: tuple[Stream, ...] = ()
+    shape: tuple[int, ...] = ()  # per token, what the layers pass on (of `hidden` elements); () is [hidden]
+
+    def __post_init__(self):
+        if self.shape and math.prod(self.shape) != self.hidden:
+            raise ValueError(f"hidden states of shape {list(self.shape)} per token do not have {self.hidden} channels")
+
+    def flatten(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states as the layers pass them, [batch, tokens, *shape], as the boundary holds them."""
+        return hidden.flatten(hidden.ndim - len(self.shape)) if len(self.shape) > 1 else hidden
+
+    def unflatten(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The boundary's hidden part [batch, tokens, hidden] as the layers pass it, [batch, tokens, *shape]."""
+        return hidden.unflatten(-1, self.shape) if len(self.shape) > 1 else hidden
 
     @property
     def width(self) -> int:

@@ -1,9 +1,10 @@
 """Caches of families whose forward keeps state in caches of its own kinds or class, against transformers.
 
 - DeepSeek-V4's compressed attention (`swarm.model.compressed`): its forward run whole on a session's
-  `SpanCache` (a span of it is refused: see the last test) equals its full forward after a chunked prefill
-  and decode steps, after a rollback into the middle of a compression window, and in a fork; a rollback to
-  a position whose compressor state was not kept is a `BadRequest` naming those it can return to.
+  `SpanCache` equals its full forward after a chunked prefill and decode steps, after a rollback into the
+  middle of a compression window, and in a fork; a rollback to a position whose compressor state was not kept
+  is a `BadRequest` naming those it can return to. Its hash-routed layers need the token ids, so a checkpoint
+  with them is refused; one without them runs in three spans, its residual streams crossing them.
 - MiniMax's own cache class (`swarm.model.family_cache`): three chained spans equal transformers' forward on
   its own `MiniMaxCache` with the same chunks (bit for bit), rollback and fork included.
 """
@@ -119,8 +120,34 @@ def test_compressed_attention_refuses_positions_it_did_not_keep(v4):
 
 def test_a_span_of_deepseek_v4_is_refused_before_weights_load(v4):
     path, _ = v4
-    with pytest.raises(UnsupportedModel, match=r"by token id \(hash_moe\).*residual streams"):
+    with pytest.raises(UnsupportedModel, match=r"layers \[0\] pick their experts by token id \(hash_moe\)"):
         Checkpoint(path)
+
+
+@torch.inference_mode()
+def test_deepseek_v4_without_hash_routing_runs_in_three_spans(tmp_path):
+    """Its 4 residual streams [batch, tokens, 4, hidden] cross the spans flattened; compressed attention, its
+    indexer (16 heads: no ties) and the head's collapse of the streams as transformers computes them."""
+    from safetensors.torch import load_file, save_file
+
+    from client.inference.local_chain import LocalChain
+
+    path = build("deepseek_v4", tmp_path, index_topk=2, index_n_heads=16, index_head_dim=16, o_lora_rank=16,
+                 compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                 mlp_layer_types=["moe"] * 6)
+    # transformers saves the final norm as "model.norm.weight", which its own loading renames to "kv_norm";
+    # DeepSeek's checkpoints name it "norm.weight" (scaled, so that a norm left at ones would show)
+    state = load_file(path / "model.safetensors")
+    state["norm.weight"] = state.pop("model.norm.weight") * 1.5
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    chain = LocalChain(path, [Span(0, 2), Span(2, 4), Span(4, 6)])
+    assert chain.checkpoint.boundary.shape == (4, 64)
+    session = chain.session(1, 32)
+    got = torch.cat([session.step(IDS[:, a:b], a) for a, b in CHUNKS], dim=1)
+    assert (got - model(IDS).logits).abs().max() <= TOLERANCE
+    back = session.step(IDS[:, 27:30] + 1, 27)  # the end of the last steps: a rollback the compressors kept
+    assert (back - model(torch.cat([IDS[:, :27], IDS[:, 27:30] + 1], 1)).logits[:, 27:]).abs().max() <= TOLERANCE
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """Families whose layers take more than the hidden states: what crosses a span boundary carries it.
 
 Gemma 4's per-layer inputs and Zamba2's word embeddings are computed by the client's head and passed through
-every span; ZAYA's router state is returned by each span's last layer for the next span's first. Ground truth
+every span; ZAYA's router state is returned by each span's last layer for the next span's first. Families with
+hyper-connections (HY-V4, Qwen4-Exp, DeepSeek-V4) pass several residual streams from layer to layer: flattened on
+the boundary, unflattened for a span's first layer and for the head's collapse of them. Ground truth
 is the family's own model run by transformers in this process (`tests/family_harness.py` builds the tiny
 checkpoints), through the head and three spans (`LocalChain`), prefill in two chunks then single tokens.
 """
@@ -18,12 +20,15 @@ from swarm.errors import UnsupportedModel
 from swarm.model import families
 from swarm.model.blocks import SpanBlocks
 from swarm.model.checkpoint import Checkpoint
+from swarm.model.streams import Boundary, Stream
 from swarm.span import Span
 
 pytestmark = pytest.mark.models
 
 PER_LAYER = dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=256)
 CASES = {"gemma4_text": PER_LAYER, "zamba2": {}, "zaya": {}}
+# What the first layer takes per token: HY-V4's 4 streams [4, hidden]; Qwen4-Exp's 4 streams side by side.
+HYPER = {"hy_v4": (4, 64), "qwen4_exp_text": (256,)}
 
 
 @pytest.fixture
@@ -98,3 +103,59 @@ def test_layers_sharing_keys_and_values_across_layers_are_refused_by_config(tmp_
     config.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel, match="gemma4_text.*num_kv_shared_layers"):
         Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYPER))
+@torch.inference_mode()
+def test_hyper_connections_cross_spans_flattened(model_type, tmp_path, measured):
+    """The head's embeddings are the family's residual streams (each the token's embedding, before any layer),
+    flattened; three spans and the head's collapse and final norm equal transformers' cached steps."""
+    path = build(model_type, tmp_path)
+    ids = torch.randint(3, 256, (1, 14), generator=torch.Generator().manual_seed(1))
+    want = cached_reference(path, ids, 9)
+    chain = LocalChain(path, [Span(0, 2), Span(2, 4), Span(4, 6)])
+    boundary = chain.checkpoint.boundary
+    assert boundary.shape == HYPER[model_type] and boundary.width == 256 and not boundary.streams
+    assert all(b.hidden_size == 256 for b in chain.blocks) and chain.head.hidden_size == 256
+    embedded = chain.head.embed(ids[:, :3], 0)
+    table = chain.head.embed_tokens.weight[ids[:, :3]]
+    assert embedded.shape == (1, 3, 256) and torch.equal(boundary.unflatten(embedded).reshape(1, 3, 4, 64),
+                                                         table.unsqueeze(2).expand(-1, -1, 4, -1))
+    session = chain.session(1, 32)
+    got = [session.step(ids[:, :5], 0), session.step(ids[:, 5:9], 5)]
+    got += [session.step(ids[:, i:i + 1], i) for i in range(9, ids.shape[1])]
+    assert (torch.cat(got, dim=1) - want).abs().max().item() <= 1e-4
+
+
+def test_the_boundary_flattens_and_unflattens_the_hidden_states_alone():
+    streams = (Stream("original_hidden_states", 8),)
+    boundary = Boundary(12, streams, (3, 4))
+    hidden, stream = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 8)
+    flat = boundary.join(boundary.flatten(hidden), [stream])
+    assert flat.shape == (2, 5, boundary.width) == (2, 5, 20)
+    back, (part,) = boundary.split(flat)
+    assert torch.equal(boundary.unflatten(back), hidden) and torch.equal(part, stream)
+    plain = Boundary(12)  # one stream of hidden states: nothing to reshape
+    assert plain.flatten(back) is back and plain.unflatten(back) is back
+    with pytest.raises(ValueError, match=r"\[3, 5\]"):
+        Boundary(12, (), (3, 5))
+
+
+def test_token_ids_a_layer_needs_are_refused_by_config(tmp_path):
+    """Qwen4-Exp's per-layer n-gram embeddings and DeepSeek-V4's hash-routed experts read the token ids, which the
+    boundary does not carry (the wire's 16-bit and 8-bit encodings would not keep them exactly)."""
+    from family_harness import tiny_config
+
+    tiny_config("qwen4_exp_text", ple_layer_ids=[1, 5]).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match=r"layers \[0, 4\] embed n-grams of the token ids"):
+        Checkpoint(tmp_path)
+
+
+def test_a_span_of_hy_v4_starts_at_a_block_choosing_its_own_tokens(tmp_path):
+    """HY-V4's "shared" blocks reuse the tokens the block before chose (handed from layer to layer, not across
+    spans): a span starting at one is refused, naming the blocks it can start at."""
+    from swarm.errors import BadRequest
+
+    path = build("hy_v4", tmp_path)
+    with pytest.raises(BadRequest, match=r"one of the blocks \[0, 2, 4\]"):
+        SpanBlocks(Checkpoint(path), Span(1, 3))
