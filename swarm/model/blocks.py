@@ -51,12 +51,6 @@ logger = logging.getLogger(__name__)
 # Tokens the blocks' own cache pool holds when nobody sized it (`size_pool`): blocks are memory only once written.
 DEFAULT_POOL_TOKENS = 1 << 18
 
-def check_indexer_start(config, run: Span) -> None:
-    """`BadRequest` if `run` starts at a block no span of the model may start at (`swarm.span.span_starts`: one
-    that reuses the tokens the previous block's indexer chose, handed over inside the family's layer loop)."""
-    check_start(run, span_starts(config))
-
-
 class SpanBlocks(torch.nn.Module):
     """Decoder layers `[start, end)` of a checkpoint, ready to run steps for sessions."""
 
@@ -79,7 +73,10 @@ class SpanBlocks(torch.nn.Module):
                   if reuse is not None and reuse.span.start <= i < reuse.span.end}
         self.model_type = ckpt.model_type
         self.num_blocks = ckpt.num_blocks
-        check_indexer_start(ckpt.text_config, span)
+        # blocks a span may start at (`swarm.span.span_starts`): not one that takes what the block before it
+        # computed inside the family's layer loop (an indexer's choice)
+        self.starts = span_starts(ckpt.text_config)
+        check_start(span, self.starts)
         self.layer_types = ckpt.layout.layer_types[span.start:span.end]
         self.embed_dim = ckpt.layout.embed_dim
 
@@ -115,7 +112,8 @@ class SpanBlocks(torch.nn.Module):
         self.eval()
         with self._held_states(), torch.inference_mode():
             # the stateful layers whose family cannot continue a state over several tokens at once
-            self.one_token = one_token_continuations(dict(zip(span, self.layers)), self.cache_kinds, stateful,
+            recurrent = [i for i in stateful if kind_cache(kinds[i]) != COMPRESSED]  # compressors: own caches
+            self.one_token = one_token_continuations(dict(zip(span, self.layers)), self.cache_kinds, recurrent,
                                                      self.held, self.state_counts, self.hidden_size, self._probe_run)
         if self.one_token:
             logger.info("blocks %s of %s: steps of several tokens after the first run one token at a time (layers %s "
@@ -381,7 +379,7 @@ class SpanBlocks(torch.nn.Module):
     def _check_within(self, run: Span) -> None:
         if not (self.span.start <= run.start and run.end <= self.span.end):
             raise BadRequest(f"blocks {run} are not within the served blocks {self.span}")
-        check_indexer_start(self.config, run)
+        check_start(run, self.starts)
 
     def _run(self, run: Span, hidden: torch.Tensor, kv: DynamicCache | None, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -55,12 +55,13 @@ def held_slots(layers: dict[int, torch.nn.Module], device, dtype) -> dict[int, d
             setup = getattr(module, "_setup_cache", None)
             if not callable(setup):
                 continue
-            before = {(sub, attr) for sub, m in module.named_modules() for attr, v in vars(m).items()
+            before = {(sub, attr): v for sub, m in module.named_modules() for attr, v in vars(m).items()
                       if isinstance(v, torch.Tensor)}
             setup(1, device, dtype)
             for sub, m in module.named_modules():
                 for attr, value in list(vars(m).items()):
-                    if isinstance(value, torch.Tensor) and (sub, attr) not in before:
+                    # what it set anew (a tensor left from an earlier step would be replaced too)
+                    if isinstance(value, torch.Tensor) and before.get((sub, attr)) is not value:
                         path = ".".join(p for p in (name, sub, attr) if p)
                         found.setdefault(i, {})[path] = (m, attr)
                         setattr(m, attr, None)
@@ -74,8 +75,12 @@ def load_held(slots: dict[int, dict[str, Slot]], held: dict[int, HeldStates]) ->
 
 
 def save_held(slots: dict[int, dict[str, Slot]], held: dict[int, HeldStates]) -> None:
+    """Take the states a step left in the modules into the session's `held`; the modules keep none between steps
+    (blocks sharing these layers, and a later `held_slots`, find them empty)."""
     for i, states in held.items():
         states.recurrent_states = {path: getattr(module, attr) for path, (module, attr) in slots[i].items()}
+        for module, attr in slots[i].values():
+            setattr(module, attr, None)
 
 
 def one_token_continuations(layers: dict[int, torch.nn.Module], kinds: list[str], stateful: Iterable[int],
@@ -105,6 +110,9 @@ def one_token_continuations(layers: dict[int, torch.nn.Module], kinds: list[str]
             run(Span(i, i + 1), first, cache, 0)
             tensors = _parts(cache[i], slots.get(i, {}))
             parts = len(tensors)
+            if not parts:  # a stateful layer that showed no state: nothing proves it continues one
+                found.update(members)
+                break
             if n >= parts:
                 break
             tensors[n].fill_(math.nan)

@@ -173,7 +173,7 @@ def test_a_span_starting_at_a_block_that_reuses_the_previous_choice_is_refused(m
     if not kinds or "shared" not in kinds:
         pytest.skip("every block of this model runs its own indexer")
     start = kinds.index("shared")
-    with pytest.raises(BadRequest, match="reuses the tokens"):
+    with pytest.raises(BadRequest, match="takes what block"):
         SpanBlocks(path, Span(start, 6))
-    with pytest.raises(BadRequest, match="reuses the tokens"):
+    with pytest.raises(BadRequest, match="takes what block"):
         chain.blocks[0](torch.randn(1, 1, chain.blocks[0].hidden_size), span=Span(start, chain.blocks[0].span.end))

@@ -112,3 +112,30 @@ def test_a_fork_or_rollback_between_kept_step_ends_names_where_it_can_return(mod
     with pytest.raises(BadRequest, match=r"ends of the last \d+ steps \(\[5, 8, 9, 10\]\), not to 7; replay from 0"):
         session.step(tokens(1, 8), 7)
     assert session.position == 10 and cache.fork(0).length == 0
+
+
+@torch.inference_mode()
+def test_blocks_that_reuse_layers_of_blocks_that_served_keep_module_held_states_per_session(tmp_path_factory):
+    """A peer moving to an overlapping span builds its blocks on the layers it holds: those layers' modules hold no
+    session's state between steps, so the new blocks find where the family keeps it, and two sessions stepped in
+    turn on them each continue exactly as transformers."""
+    from swarm.model.blocks import SpanBlocks
+
+    chain, reference = chain_of("recurrent_gemma", tmp_path_factory)
+    run_steps(chain, tokens(10, 9))  # the old blocks served a session
+    old = chain.blocks[0]
+    new = SpanBlocks(chain.checkpoint, old.span, reuse=old)
+    assert set(new.held) == set(old.held) and new.one_token == old.one_token and new.held
+    chain.blocks[0] = new
+    try:
+        a, b = tokens(10, 10), tokens(10, 11)
+        sa, sb, outs = chain.session(1, 64), chain.session(1, 64), {0: [], 1: []}
+        position = 0
+        for n in STEPS:  # in turn: each step must find its own session's state
+            outs[0].append(sa.step(a[:, position:position + n], position))
+            outs[1].append(sb.step(b[:, position:position + n], position))
+            position += n
+        assert_exact(torch.cat(outs[0], dim=1), reference(a).logits)
+        assert_exact(torch.cat(outs[1], dim=1), reference(b).logits)
+    finally:
+        chain.blocks[0] = old
