@@ -227,7 +227,7 @@ class Checkpoint:
         if shared_kv:
             raise UnsupportedModel(f"model type {self.model_type!r}: its last {shared_kv} layers attend with the keys "
                                    "and values earlier layers computed in the same forward (num_kv_shared_layers), "
-                                   "which a span boundary cuts; checkpoints with num_kv_shared_layers=0 can be served")
+                                   "which a span boundary cuts")
         embeddings = skel.get_input_embeddings()
         if not isinstance(embeddings, torch.nn.Embedding):
             raise UnsupportedModel(f"model type {self.model_type!r}: its input embeddings are "
