@@ -28,11 +28,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model,
                                              rename_source_key)
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.modeling_utils import LoadStateDictConfig
 
 from swarm.errors import CheckpointError, UnsupportedModel
 from swarm.model import families
 from swarm.model.streams import Boundary, Stream, streams_of
+from swarm.span import Span
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +241,6 @@ class Checkpoint:
             raise UnsupportedModel(f"model type {self.model_type!r}: transformers cannot map checkpoint names to "
                                    f"{type(skel).__name__} ({type(exc).__name__}: {str(exc).strip()[:200]})") from exc
         try:
-            from swarm.span import Span
-
             probe = frames.probe(skel, path, shadows, embeddings.embedding_dim,
                                  span_cache=lambda: self._session_cache(Span(0, n)).kv,
                                  extra=Boundary(self.hidden_size, streams).forward_kwargs(1, 2, torch.float32, "cpu"))
@@ -257,14 +257,10 @@ class Checkpoint:
     @property
     def recurrent(self) -> bool:
         """Whether some layer keeps a recurrent state (its cache returns only to the ends of recent steps)."""
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
         kinds = get_layer_types_and_kwargs(self.text_config)[0]
         return any(kind in RECURRENT_KINDS + COMPRESSED_KINDS for kind in kinds)
 
     def _session_cache(self, span, batch: int = 1):
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
         from swarm.model.cache import SpanCache
         from swarm.model.family_cache import cache_class
 
@@ -377,11 +373,14 @@ class Checkpoint:
             yield slices
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Attention cache bytes one token takes in one block (keys and values)."""
-        cfg = self.text_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return 2 * kv_heads * head_dim * dtype.itemsize
+        """Attention cache bytes one token takes in the largest block (keys, values, an indexer's keys): blocks
+        differ (Gemma 4's full and sliding layers), and a recurrent block keeps none per token."""
+        def of(c) -> int:
+            heads = getattr(c, "num_attention_heads", None) or 0
+            head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else 0)
+            kv_heads = getattr(c, "num_key_value_heads", None) or heads
+            return (2 * kv_heads * head_dim + (getattr(c, "index_head_dim", None) or 0)) * dtype.itemsize
+        return max(of(c) for c in self.text_config.per_layer_config)
 
     def tensor_names(self, prefix: str) -> list[str]:
         return [n for n in self._files if n.startswith(prefix)]
@@ -431,7 +430,6 @@ def check_supported(config: PretrainedConfig) -> None:
                                f"({supported})")
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModel(f"model type {kind!r} with bidirectional attention is not supported ({supported})")
-    from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_blocks_of(config)  # refused here where the config gives no layer count
     text = config.get_text_config(decoder=True)

@@ -110,3 +110,19 @@ def test_truncated_checkpoint_names_the_block(tiny_checkpoint, tmp_path):
     save_file(tensors, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="missing tensors .*embed_tokens"):
         ModelHead(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("model_type, expected", [
+    ("llama", 2 * 32 * 128 * 4),  # the same for every block
+    ("gemma4_text", 2 * 4 * 512 * 4),  # full-attention blocks' 512-wide heads, not the sliding ones' 256
+    ("mamba", 0),  # a recurrent state, none per token
+])
+def test_a_peer_counts_the_cache_of_its_largest_block_per_token(model_type, expected):
+    """What a peer reserves per cached token and block, read from the config of every kind of family (a config
+    whose blocks differ has no single head width: transformers refuses to give one)."""
+    class Config:  # only what the count reads
+        text_config = AutoConfig.for_model(model_type).get_text_config(decoder=True)
+
+    import torch
+
+    assert Checkpoint.cache_bytes_per_token(Config(), torch.float32) == expected
