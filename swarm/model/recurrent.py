@@ -100,30 +100,29 @@ def one_token_continuations(layers: dict[int, torch.nn.Module], kinds: list[str]
         gen = torch.Generator().manual_seed(0)
         first, then = (torch.randn(1, 2, width, generator=gen) for _ in range(2))
         both = kinds[i] in ("hybrid", "hybrid_sliding")
-        parts = 1
-        n = 0
-        while n < min(parts, 64):  # each part of the state once (a layer has a few)
+
+        def fresh():  # a fresh session's state after two tokens: its cache layers and the state's parts
             for module, attr in slots.get(i, {}).values():
-                setattr(module, attr, None)  # a fresh session's
+                setattr(module, attr, None)
             cache = {i: (LinearAttentionAndFullAttentionLayer if both else LinearAttentionLayer)(
                 number_of_states=state_counts[i])}
             run(Span(i, i + 1), first, cache, 0)
-            tensors = _parts(cache[i], slots.get(i, {}))
-            parts = len(tensors)
-            if not parts:  # a stateful layer that showed no state: nothing proves it continues one
-                found.update(members)
-                break
-            if n >= parts:
-                break
+            return cache, _parts(cache[i], slots.get(i, {}))
+
+        parts = len(fresh()[1])
+        ignores = not parts  # a stateful layer that showed no state: nothing proves it continues one
+        for n in range(min(parts, 64)):  # each part of the state once (a layer has a few)
+            cache, tensors = fresh()
             tensors[n].fill_(math.nan)
             try:
                 out = run(Span(i, i + 1), then, cache, 2)
             except Exception:  # noqa: BLE001 - cannot continue from a state at all: one token at a time
                 out = None
             if out is None or not torch.isnan(out).any():
-                found.update(members)
+                ignores = True
                 break
-            n += 1
+        if ignores:
+            found.update(members)
         for module, attr in slots.get(i, {}).values():
             setattr(module, attr, None)
     return frozenset(found)

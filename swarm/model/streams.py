@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -148,6 +149,12 @@ def with_arg(layer: torch.nn.Module, args: tuple, kwargs: dict, name: str, value
 
 
 def _position(layer: torch.nn.Module, name: str) -> int | None:
-    params = [p for p in inspect.signature(layer.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return next((i for i, p in enumerate(params) if p.name == name), None)
+    names = _positional(type(layer))
+    return names.index(name) if name in names else None
+
+
+@functools.cache
+def _positional(cls: type) -> tuple[str, ...]:
+    """The names a layer class's forward takes by position (after self): read once per class, not per call."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
